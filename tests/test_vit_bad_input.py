@@ -1,0 +1,105 @@
+"""Bad input fails with a one-line ValueError saying what was expected and what came (issue 2 §5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit import ViTConfig, VisionTransformer, create_model, decode_variant, load_pretrained
+
+
+@pytest.fixture(scope="module")
+def model() -> VisionTransformer:
+    config = ViTConfig(image_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, mlp_dim=64, num_classes=3)
+    return VisionTransformer(config).eval()
+
+
+def one_line(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_image_side_not_divisible_by_the_patch_size(model):
+    with pytest.raises(ValueError) as e:
+        model(torch.randn(1, 3, 18, 16))
+    assert "divisible by the patch size 4" in one_line(e) and "18x16" in one_line(e)
+
+
+def test_hybrid_image_side_not_divisible_by_its_pixel_patch_size():
+    hybrid = create_model("R50+ViT-B/16", image_size=32, embed_dim=32, depth=1, num_heads=2, mlp_dim=64,
+                          hybrid={"layers": (1, 1, 1), "width": 8})
+    with pytest.raises(ValueError, match=r"patch size 16, got 40x32"):
+        hybrid(torch.randn(1, 3, 40, 32))
+
+
+def test_wrong_channel_count(model):
+    with pytest.raises(ValueError) as e:
+        model(torch.randn(1, 1, 16, 16))
+    assert "(B, 3, H, W)" in one_line(e) and "(1, 1, 16, 16)" in one_line(e)
+
+
+def test_wrong_patch_sequence_length(model):
+    with pytest.raises(ValueError) as e:
+        model(torch.randn(1, 15, 48))
+    assert "expected 16 patches" in one_line(e) and "got 15" in one_line(e)
+
+
+def test_wrong_patch_length(model):
+    with pytest.raises(ValueError) as e:
+        model(torch.randn(1, 16, 47))
+    assert "patches of length 48" in one_line(e) and "got 47" in one_line(e)
+
+
+def test_a_grid_that_does_not_fit_the_sequence(model):
+    with pytest.raises(ValueError, match=r"grid 5x5 needs 25 patches, got 16"):
+        model(torch.randn(1, 16, 48), grid=(5, 5))
+
+
+def test_wrong_rank_and_integer_pixels(model):
+    with pytest.raises(ValueError, match=r"images \(B, C, H, W\) or patch sequences .* got shape \(3, 16\)"):
+        model(torch.randn(3, 16))
+    with pytest.raises(ValueError, match="float tensor .* got dtype torch.uint8"):
+        model(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
+
+
+def test_unknown_preset_name_lists_the_known_ones():
+    with pytest.raises(ValueError) as e:
+        create_model("ViT-Q/16")
+    assert "'ViT-Q/16'" in one_line(e) and "ViT-B/16" in one_line(e) and "ResNet-50" in one_line(e)
+    with pytest.raises(ValueError, match="unknown ViT size 'X'"):
+        decode_variant("X/16")
+
+
+def test_unknown_override_is_named_with_the_valid_fields():
+    with pytest.raises(ValueError) as e:
+        create_model("ViT-B/16", hidden_size=512)
+    assert "['hidden_size']" in one_line(e) and "embed_dim" in one_line(e)
+    with pytest.raises(ValueError, match=r"\['depth'\] for ResNet-50"):
+        create_model("ResNet-50", depth=3)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(pool="max"), "pool must be one of"),
+        (dict(pos_embed="rope"), "pos_embed must be one of"),
+        (dict(attn_impl="flash"), "attn_impl must be one of"),
+        (dict(num_heads=5), "embed_dim 768 is not divisible by num_heads 5"),
+        (dict(image_size=200), "image_size 200x200 is not divisible by the patch size 16"),
+        (dict(dropout=-0.1), r"dropout must be in \[0, 1\)"),
+        (dict(pool="token", class_token=False), "pool='token' needs class_token=True"),
+        (dict(num_classes=-1), "num_classes must be an int >= 0"),
+        (dict(depth=0), "depth must be a positive int"),
+    ],
+)
+def test_invalid_config_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ViTConfig(**overrides)
+
+
+def test_unsupported_weights_file(tmp_path, model):
+    path = tmp_path / "weights.npz"
+    path.write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"weights\.npz: expected \.safetensors, \.bin, \.pth or \.pt"):
+        load_pretrained(model, path)

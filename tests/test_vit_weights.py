@@ -1,0 +1,262 @@
+"""Weights in and out (issue 2 §3): Hugging Face and timm files in, our checkpoints round trip."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import ViTConfig as HFViTConfig
+from transformers import ViTForImageClassification, ViTModel
+
+from vit import (
+    ViTConfig,
+    VisionTransformer,
+    create_model,
+    load_checkpoint,
+    load_pretrained,
+    patchify,
+    save_checkpoint,
+)
+from vit.pos_embed import resample_pos_embed
+from vit.weights import ARCHS, register_arch
+
+HF_CONFIGS = {
+    "p16": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                image_size=32, patch_size=16, num_labels=5),
+    "p8-1ch": dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=3, intermediate_size=96,
+                   image_size=24, patch_size=8, num_channels=1, num_labels=4),
+    "p14": dict(hidden_size=40, num_hidden_layers=2, num_attention_heads=5, intermediate_size=80,
+                image_size=28, patch_size=14, num_labels=3),
+}
+
+
+def hf_model(cls=ViTForImageClassification, **config) -> nn.Module:
+    """A randomly initialised HF ViT with weights spread wide enough that small mapping errors show."""
+    torch.manual_seed(0)
+    model = cls(HFViTConfig(**config)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def ours_like(hf_config: HFViTConfig, **overrides) -> VisionTransformer:
+    c = hf_config
+    config = ViTConfig(image_size=c.image_size, patch_size=c.patch_size, in_channels=c.num_channels,
+                       embed_dim=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                       mlp_dim=c.intermediate_size, num_classes=c.num_labels, layer_norm_eps=c.layer_norm_eps)
+    return VisionTransformer(ViTConfig(**{**config.to_dict(), **overrides})).eval()
+
+
+def images_for(hf: nn.Module, batch: int = 3, size: int | None = None) -> torch.Tensor:
+    c = hf.config
+    side = size or c.image_size
+    return torch.randn(batch, c.num_channels, side, side, generator=torch.Generator().manual_seed(1))
+
+
+# --- Hugging Face ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_hugging_face_weights_give_the_same_logits(name, tmp_path):
+    hf = hf_model(**HF_CONFIGS[name])
+    hf.save_pretrained(tmp_path)
+    ours = ours_like(hf.config)
+    load_pretrained(ours, tmp_path)
+    x = images_for(hf)
+    with torch.no_grad():
+        expected = hf(x).logits
+        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(patchify(x, hf.config.patch_size)), expected, rtol=0, atol=1e-5)
+
+
+def test_transformers_5_names_in_a_pickle_bin_load_with_weights_only(tmp_path):
+    hf = hf_model(**HF_CONFIGS["p16"])
+    state = hf.state_dict()
+    assert any(".q_proj." in k for k in state)  # the in-memory (new) naming, unlike save_pretrained's
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    ours = ours_like(hf.config)
+    load_pretrained(ours, tmp_path)
+    x = images_for(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, rtol=0, atol=1e-5)
+
+
+def test_hugging_face_pooler_becomes_the_tanh_representation_layer(tmp_path):
+    hf = hf_model(ViTModel, **HF_CONFIGS["p8-1ch"])
+    hf.save_pretrained(tmp_path)
+    ours = ours_like(hf.config, num_classes=0, representation_size=hf.config.hidden_size)
+    load_pretrained(ours, tmp_path)
+    x = images_for(hf)
+    with torch.no_grad():
+        out = hf(x)
+        torch.testing.assert_close(ours.forward_features(x), out.last_hidden_state, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours.pooled_features(x), out.pooler_output, rtol=0, atol=1e-5)
+
+
+def test_attention_weights_equal_hugging_faces(tmp_path):
+    hf = hf_model(**HF_CONFIGS["p14"])
+    hf.save_pretrained(tmp_path)
+    hf.set_attn_implementation("eager")
+    ours = ours_like(hf.config)
+    load_pretrained(ours, tmp_path)
+    x = images_for(hf)
+    with torch.no_grad():
+        theirs = hf(x, output_attentions=True).attentions
+        _, mine = ours(x, return_attention=True)
+    assert len(mine) == len(theirs) == 2
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_position_embeddings_are_resized_on_load(tmp_path):
+    hf = hf_model(**HF_CONFIGS["p8-1ch"])  # a 3x3 grid
+    hf.save_pretrained(tmp_path)
+    ours = ours_like(hf.config, image_size=40)  # a 5x5 grid
+    load_pretrained(ours, tmp_path)
+    expected = resample_pos_embed(hf.vit.embeddings.position_embeddings.detach(), (5, 5))
+    torch.testing.assert_close(ours.pos_embed.detach(), expected)
+    x = images_for(hf, size=40)
+    with torch.no_grad():  # HF's own higher-resolution path interpolates the same way
+        torch.testing.assert_close(ours(x), hf(x, interpolate_pos_encoding=True).logits, rtol=0, atol=1e-5)
+
+
+def test_call_time_resize_matches_hugging_faces_interpolation(tmp_path):
+    hf = hf_model(**HF_CONFIGS["p16"])
+    hf.save_pretrained(tmp_path)
+    ours = ours_like(hf.config)
+    load_pretrained(ours, tmp_path)
+    x = images_for(hf, size=64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x, interpolate_pos_encoding=True).logits, rtol=0, atol=1e-5)
+
+
+def test_a_head_of_another_size_is_refused_unless_skipped(tmp_path):
+    hf = hf_model(**HF_CONFIGS["p16"])
+    hf.save_pretrained(tmp_path)
+    ours = ours_like(hf.config, num_classes=7)
+    with pytest.raises(ValueError, match=r"head\.weight.*\(5, 32\).*\(7, 32\).*skip_head"):
+        load_pretrained(ours, tmp_path)
+    ours.replace_head(7)
+    load_pretrained(ours, tmp_path, skip_head=True)
+    assert torch.count_nonzero(ours.head.weight) == 0
+    torch.testing.assert_close(ours.norm.weight.detach(), hf.vit.layernorm.weight.detach())
+
+
+# --- timm --------------------------------------------------------------------------------
+
+
+def to_timm_layout(model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Our weights as timm stores them: conv patch projection, `pre_logits.fc`."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    p, c = model.config.patch_size, model.config.in_channels
+    w = sd.pop("patch_embed.proj.weight")
+    sd["patch_embed.proj.weight"] = w.reshape(w.shape[0], p, p, c).permute(0, 3, 1, 2).contiguous()
+    for leaf in ("weight", "bias"):
+        sd[f"pre_logits.fc.{leaf}"] = sd.pop(f"pre_logits.{leaf}")
+    return sd
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_timm_layout_weights_load(suffix, tmp_path):
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, mlp_dim=64,
+                       num_classes=5, representation_size=16)
+    source = VisionTransformer(config).eval()
+    path = tmp_path / f"vit{suffix}"
+    sd = to_timm_layout(source)
+    torch.save({"state_dict": sd}, path) if suffix == ".pth" else save_file(sd, path)
+    target = VisionTransformer(config).eval()
+    load_pretrained(target, path)
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(target(x), source(x), rtol=0, atol=1e-6)
+
+
+def test_missing_and_unexpected_keys_are_named_in_one_error(tmp_path):
+    model = create_model("ViT-Ti/16", image_size=32, depth=1, num_classes=3)
+    sd = dict(model.state_dict())
+    del sd["blocks.0.norm2.bias"]
+    sd["decoder.weight"] = torch.zeros(2)
+    save_file(sd, tmp_path / "model.safetensors")
+    named = r"missing keys \['blocks\.0\.norm2\.bias'\].*unexpected keys \['decoder\.weight'\]"
+    with pytest.raises(ValueError, match=named):
+        load_pretrained(model, tmp_path)
+    result = load_pretrained(model, tmp_path, strict=False)
+    assert result.missing == ["blocks.0.norm2.bias"] and result.unexpected == ["decoder.weight"]
+
+
+def test_a_missing_path_fails_without_any_download(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_pretrained(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path / "google-vit-base")
+    with pytest.raises(ValueError, match="no weights file"):
+        load_pretrained(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path)
+
+
+# --- project checkpoints -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("ViT-Ti/16", dict(image_size=32, depth=2, num_classes=4, pos_embed="learned_2d", representation_size=8)),
+        ("ViT-S/8", dict(image_size=16, depth=1, num_classes=0, pool="gap", pos_embed="sincos")),
+        ("R50+ViT-B/16", dict(image_size=32, embed_dim=32, depth=1, num_heads=2, mlp_dim=64, num_classes=3,
+                              hybrid={"layers": (1, 1, 1), "width": 8})),
+        ("ResNet-50", dict(num_classes=3, layers=(1, 1, 1, 1), width=8)),
+    ],
+)
+def test_checkpoints_round_trip_config_and_outputs(name, overrides, tmp_path):
+    torch.manual_seed(0)
+    model = create_model(name, **overrides).eval()
+    save_checkpoint(model, tmp_path / "ckpt")
+    restored = load_checkpoint(tmp_path / "ckpt").eval()
+    assert type(restored) is type(model) and restored.config == model.config
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(restored(x), model(x), rtol=0, atol=0)
+
+
+def test_checkpoints_are_safetensors_plus_json_config_with_an_arch(tmp_path):
+    model = create_model("ViT-Ti/16", image_size=32, depth=1, num_classes=2)
+    save_checkpoint(model, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["arch"] == "vit" and meta["config"]["embed_dim"] == 192
+    assert set(load_file(tmp_path / "model.safetensors")) == set(model.state_dict())
+
+
+def test_load_checkpoint_refuses_an_unknown_arch(tmp_path):
+    save_checkpoint(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**meta, "arch": "nope"}))
+    with pytest.raises(ValueError, match="arch 'nope'"):
+        load_checkpoint(tmp_path)
+
+
+@dataclass
+class _PairConfig:
+    width: int = 3
+
+    def to_dict(self) -> dict:
+        return {"width": self.width}
+
+
+class _Pair(nn.Module):
+    def __init__(self, config: _PairConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.width, 2)
+
+
+def test_other_families_can_register_for_checkpoints(tmp_path):
+    register_arch("pair", _PairConfig, _Pair)
+    try:
+        model = _Pair(_PairConfig(width=5))
+        save_checkpoint(model, tmp_path)
+        restored = load_checkpoint(tmp_path)
+        assert isinstance(restored, _Pair) and torch.equal(restored.fc.weight, model.fc.weight)
+    finally:
+        ARCHS.pop("pair")

@@ -1,0 +1,276 @@
+"""Weights in and out: published ViT state dicts and the project's own checkpoints.
+
+`load_pretrained` reads timm- or Hugging Face-format files from local disk only
+(nothing is fetched), renames them to our parameter names, fuses HF's separate
+q/k/v, reshapes conv patch projections into our Linear, and resamples position
+embeddings to the model's grid. Project checkpoints are `model.safetensors` plus
+`config.json`: no pickle anywhere on our own path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from vit.config import ViTConfig
+from vit.model import VisionTransformer
+from vit.pos_embed import resample_pos_embed
+from vit.resnet import ResNet, ResNetConfig
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+# Files looked for, in order, when `load_pretrained` is given a directory.
+_DIR_CANDIDATES = ("model.safetensors", "pytorch_model.bin", "model.pth", "pytorch_model.pth")
+
+
+@dataclass
+class LoadResult:
+    """Keys left unmatched by a non-strict load."""
+
+    missing: list[str]
+    unexpected: list[str]
+
+
+# --- reading foreign files ---------------------------------------------------------------
+
+
+def _resolve(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.is_file():  # sharded HF checkpoint
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [path / s for s in shards]
+        for name in _DIR_CANDIDATES:
+            if (path / name).is_file():
+                return [path / name]
+        raise ValueError(f"no weights file in {path}: looked for {', '.join(_DIR_CANDIDATES)}")
+    raise ValueError(f"weights path {path} does not exist (only local files are read; nothing is downloaded)")
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors from a `.safetensors` or `.bin`/`.pth`/`.pt` file, or a directory holding one.
+
+    Pickle-based files are read with `torch.load(weights_only=True)`, which refuses code.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for f in _resolve(Path(path)):
+        if f.suffix == ".safetensors":
+            out.update(load_file(f, device="cpu"))
+        elif f.suffix in (".bin", ".pth", ".pt"):
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+            for key in ("state_dict", "model", "module"):  # common training-checkpoint wrappers
+                if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+                    obj = obj[key]
+            out.update({k: v for k, v in obj.items() if isinstance(v, torch.Tensor)})
+        else:
+            raise ValueError(f"unsupported weights file {f.name}: expected .safetensors, .bin, .pth or .pt")
+    return out
+
+
+# --- renaming ----------------------------------------------------------------------------
+
+_HF_LAYER = re.compile(r"^(?:encoder\.layer|layers)\.(\d+)\.(.+)$")
+_HF_BLOCK_NAMES = {
+    "layernorm_before": "norm1",
+    "layernorm_after": "norm2",
+    "attention.output.dense": "attn.proj",  # transformers < 5
+    "attention.o_proj": "attn.proj",  # transformers >= 5
+    "intermediate.dense": "mlp.fc1",
+    "output.dense": "mlp.fc2",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
+_HF_QKV = {
+    "attention.attention.query": "q",
+    "attention.attention.key": "k",
+    "attention.attention.value": "v",
+    "attention.q_proj": "q",
+    "attention.k_proj": "k",
+    "attention.v_proj": "v",
+}
+_HF_TOP = {
+    "embeddings.cls_token": "cls_token",
+    "embeddings.position_embeddings": "pos_embed",
+    "embeddings.patch_embeddings.projection": "patch_embed.proj",
+    "layernorm": "norm",
+    "pooler.dense": "pre_logits",
+    "classifier": "head",
+}
+
+
+def _is_hf(sd: dict[str, torch.Tensor]) -> bool:
+    return any("embeddings.patch_embeddings" in k or k.startswith(("vit.", "encoder.layer.")) for k in sd)
+
+
+def _from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        k = key.removeprefix("vit.")
+        stem, _, leaf = k.rpartition(".")  # leaf: weight / bias (or a bare parameter name)
+        if k in _HF_TOP:
+            out[_HF_TOP[k]] = value
+            continue
+        if stem in _HF_TOP:
+            out[f"{_HF_TOP[stem]}.{leaf}"] = value
+            continue
+        m = _HF_LAYER.match(stem)
+        if m:
+            i, rest = int(m[1]), m[2]
+            if rest in _HF_QKV:
+                qkv.setdefault((i, leaf), {})[_HF_QKV[rest]] = value
+                continue
+            if rest in _HF_BLOCK_NAMES:
+                out[f"blocks.{i}.{_HF_BLOCK_NAMES[rest]}.{leaf}"] = value
+                continue
+        out[key] = value  # unknown: reported as unexpected unless the model has it
+    for (i, leaf), parts in qkv.items():
+        if set(parts) == {"q", "k", "v"}:
+            out[f"blocks.{i}.attn.qkv.{leaf}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+        else:
+            for name in parts:
+                out[f"blocks.{i}.attn.{name}.{leaf}"] = parts[name]  # incomplete: surfaces as unexpected
+    return out
+
+
+def _from_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        k = k.removeprefix("module.")
+        if k.startswith("pre_logits.fc."):  # older timm wraps the representation layer
+            k = "pre_logits." + k.removeprefix("pre_logits.fc.")
+        out[k] = v
+    return out
+
+
+def _adapt(sd: dict[str, torch.Tensor], model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Reshape conv patch projections and resample position embeddings to the model."""
+    w = sd.get("patch_embed.proj.weight")
+    if w is not None and w.ndim == 4:  # conv (D, C, P, P) -> Linear over (row, col, channel)
+        sd["patch_embed.proj.weight"] = w.permute(0, 2, 3, 1).reshape(w.shape[0], -1)
+    pos = sd.get("pos_embed")
+    target = getattr(model, "pos_embed", None)
+    if pos is not None and isinstance(target, nn.Parameter) and pos.shape != target.shape:
+        n = pos.shape[1]
+        side = math.isqrt(n)
+        src_prefix = 0 if side * side == n else 1
+        pos = resample_pos_embed(pos, model.config.grid, num_prefix_tokens=src_prefix)
+        prefix = model.num_prefix_tokens
+        if src_prefix > prefix:  # e.g. a class-token checkpoint into a GAP model without one
+            pos = pos[:, src_prefix - prefix :]
+        elif src_prefix < prefix:
+            pos = torch.cat([pos.new_zeros(1, prefix - src_prefix, pos.shape[2]), pos], dim=1)
+        sd["pos_embed"] = pos
+    return sd
+
+
+def load_pretrained(
+    model: nn.Module, path: str | Path, *, strict: bool = True, skip_head: bool = False
+) -> LoadResult:
+    """Load timm- or Hugging Face-format ViT weights from a local file or directory into `model`.
+
+    `skip_head` leaves the model's head untouched (for transfer to another label
+    set; the head is skipped anyway when the model has none). With `strict`, any
+    missing or unexpected key raises one ValueError listing them all; otherwise
+    they are returned. Shape mismatches always raise.
+    """
+    sd = read_state_dict(path)
+    sd = _from_hf(sd) if _is_hf(sd) else _from_timm(sd)
+    if isinstance(model, VisionTransformer):
+        sd = _adapt(sd, model)
+    head = "fc." if isinstance(model, ResNet) else "head."
+    own = model.state_dict()
+    if skip_head or not any(k.startswith(head) for k in own):
+        sd = {k: v for k, v in sd.items() if not k.startswith(head)}
+        own = {k: v for k, v in own.items() if not k.startswith(head)}
+    bad = [
+        f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+        for k, v in sd.items()
+        if k in own and own[k].shape != v.shape
+    ]
+    if bad:
+        head_bad = any(b.startswith(head) for b in bad)
+        hint = " (pass skip_head=True to keep the model's own head)" if head_bad else ""
+        raise ValueError(f"shape mismatch loading {path}: {'; '.join(bad)}{hint}")
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"cannot load {path} into {type(model).__name__}: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False)
+    return LoadResult(missing, unexpected)
+
+
+# --- project checkpoints -----------------------------------------------------------------
+
+# arch name -> (config dataclass, model class); other families (e.g. VTN) register here.
+ARCHS: dict[str, tuple[type, Callable[[Any], nn.Module]]] = {}
+
+
+def register_arch(name: str, config_cls: type, model_cls: Callable[[Any], nn.Module]) -> None:
+    """Make `save_checkpoint`/`load_checkpoint` handle `model_cls(config_cls(...))` models."""
+    ARCHS[name] = (config_cls, model_cls)
+
+
+register_arch("vit", ViTConfig, VisionTransformer)
+register_arch("resnet", ResNetConfig, ResNet)
+
+
+def _arch_of(model: nn.Module) -> str:
+    for name, (_, cls) in ARCHS.items():
+        if type(model) is cls:
+            return name
+    raise ValueError(f"cannot checkpoint a {type(model).__name__}: registered archs are {sorted(ARCHS)}")
+
+
+def save_checkpoint(model: nn.Module, directory: str | Path) -> Path:
+    """Write `model.safetensors` and `config.json` (with its `"arch"`) into `directory`."""
+    arch = _arch_of(model)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, d / WEIGHTS_FILE, metadata={"arch": arch})
+    (d / CONFIG_FILE).write_text(json.dumps({"arch": arch, "config": model.config.to_dict()}, indent=2))
+    return d
+
+
+def load_checkpoint(directory: str | Path, *, map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild a model from `config.json` and load `model.safetensors` (strict)."""
+    d = Path(directory)
+    if not (d / CONFIG_FILE).is_file() or not (d / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{d} is not a checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+    meta = json.loads((d / CONFIG_FILE).read_text())
+    arch = meta.get("arch")
+    if arch not in ARCHS:
+        raise ValueError(f"checkpoint {d} has arch {arch!r}; registered archs are {sorted(ARCHS)}")
+    config_cls, model_cls = ARCHS[arch]
+    try:
+        config = config_cls(**meta["config"])
+    except TypeError as e:
+        raise ValueError(f"checkpoint {d}: config.json does not fit {config_cls.__name__}: {e}") from None
+    model = model_cls(config)
+    model.load_state_dict(load_file(d / WEIGHTS_FILE, device=str(map_location)))
+    return model
+
+
+__all__ = [
+    "ARCHS",
+    "LoadResult",
+    "load_checkpoint",
+    "load_pretrained",
+    "read_state_dict",
+    "register_arch",
+    "save_checkpoint",
+]
