@@ -1,0 +1,210 @@
+"""Ingest throughput: the Ray stage against a plain single-process loop doing the same work.
+
+    python benchmarks/ingest_throughput.py --json                 # 5,000 JPEGs, 256-512 px, to 224/16
+    python benchmarks/ingest_throughput.py --images 300 --json    # a quick check
+
+Measured in one run, on one corpus of JPEGs in class folders:
+
+* `decode_resize_per_core`: PIL decode + resize + centre crop only (bytes already in
+  memory, `pipelines.images.decode_image`), one process: the per-core ceiling.
+* `loop`: one process reads each file, decodes and resizes it, patchifies with numpy
+  and appends to one Parquet writer (same compression as the stage).
+* `stage`: `run_ingest` on a local Ray cluster of `--cpus` CPUs, after a small warm-up
+  run that starts the worker processes. Wall time of the whole stage: listing,
+  planning, decoding, Parquet writes, manifest.
+* the same loop and stage reading from a local S3 server (moto, over HTTP), writing
+  to local disk. That server shares the same CPUs, so these figures are reported as
+  they are.
+
+Targets on 2 cores, local folder: `ratio` = stage / loop >= 1.6, and
+`per_core_vs_decode` = (stage / cpus) / decode_resize_per_core >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipelines import shards  # noqa: E402
+from pipelines.images import decode_image, patchify  # noqa: E402
+from pipelines.ingest import IngestConfig, run_ingest  # noqa: E402
+
+CLASSES = 10
+
+
+def _photo_like(seed: int, min_side: int, max_side: int) -> bytes:
+    """A JPEG with smooth regions, edges and sensor-like noise, so decoding costs what photos cost."""
+    rng = np.random.default_rng(seed)
+    w, h = (int(v) for v in rng.integers(min_side, max_side + 1, size=2))
+    coarse = rng.integers(0, 256, size=(rng.integers(3, 9), rng.integers(3, 9), 3), dtype=np.uint8)
+    img = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32)
+    yy, xx = np.mgrid[0:h, 0:w]
+    img += 40 * np.sin(xx[..., None] / rng.uniform(3, 30) + yy[..., None] / rng.uniform(3, 30))
+    img += rng.normal(0, 6, size=img.shape)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _write_one(args: tuple[str, int, int, int]) -> None:
+    path, seed, lo, hi = args
+    Path(path).write_bytes(_photo_like(seed, lo, hi))
+
+
+def make_corpus(workdir: Path, n: int, lo: int, hi: int, cpus: int) -> tuple[Path, list[str]]:
+    """`<workdir>/corpus-...` with n JPEGs in class folders (reused when already complete)."""
+    root = workdir / f"corpus-{n}-{lo}-{hi}"
+    keys = [f"c{i % CLASSES:02d}/{i:06d}.jpg" for i in range(n)]
+    done = workdir / f"{root.name}.complete"  # outside the corpus, which must hold only images
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        for c in range(CLASSES):
+            (root / f"c{c:02d}").mkdir(parents=True)
+        with ProcessPoolExecutor(cpus) as pool:
+            list(pool.map(_write_one, [(str(root / k), i, lo, hi) for i, k in enumerate(keys)], chunksize=64))
+        done.write_text("")
+    return root, sorted(keys)
+
+
+def decode_rate(root: Path, keys: list[str], size: int, limit: int = 1000) -> float:
+    """Images/s of decode + resize alone, in this process, bytes in memory."""
+    blobs = [(root / k).read_bytes() for k in keys[:limit]]
+    decode_image(blobs[0], size, max_pixels=10**9)  # warm caches
+    start = time.perf_counter()
+    for data in blobs:
+        decode_image(data, size, max_pixels=10**9)
+    return len(blobs) / (time.perf_counter() - start)
+
+
+def plain_loop(read, keys: list[str], out: Path, config: IngestConfig) -> float:
+    """Images/s of a single-process read → decode → patchify → one Parquet writer."""
+    size, p = config.image_size, config.patch_size
+    n_patches, dim = (size // p) ** 2, p * p * 3
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    with pq.ParquetWriter(out / "all.parquet", shards.SCHEMA, compression=config.compression, **shards.WRITE_OPTIONS) as writer:
+        for lo in range(0, len(keys), config.shard_size):
+            batch = keys[lo : lo + config.shard_size]
+            pixels = np.empty((len(batch), n_patches, dim), dtype=np.uint8)
+            for i, key in enumerate(batch):
+                patchify(decode_image(read(key), size, max_pixels=config.max_pixels), p, out=pixels[i])
+            splits = [shards.split_of(k, config.val_fraction, config.test_fraction) for k in batch]
+            labels = [int(k[1:3]) for k in batch]
+            writer.write_table(shards.build_table(pixels, labels, batch, splits))
+    return len(keys) / (time.perf_counter() - start)
+
+
+def stage(config: IngestConfig, n: int) -> float:
+    shutil.rmtree(config.output, ignore_errors=True)
+    start = time.perf_counter()
+    result = run_ingest(config)
+    seconds = time.perf_counter() - start
+    assert result.counts["images"] == n, result.counts
+    return n / seconds
+
+
+def start_s3_server() -> tuple[subprocess.Popen, str]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import _MOTO_LAUNCHER, _free_port, _wait_until_up  # the test suite's S3 server
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkstemp(suffix=".log")[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MOTO_LAUNCHER, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
+    )
+    _wait_until_up(url, proc, log)
+    return proc, url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=5000)
+    parser.add_argument("--min-side", type=int, default=256)
+    parser.add_argument("--max-side", type=int, default=512)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--patch-size", type=int, default=16)
+    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "vitpipe-bench")
+    parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    import boto3
+    import ray
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    root, keys = make_corpus(args.workdir, args.images, args.min_side, args.max_side, args.cpus)
+    common = dict(image_size=args.image_size, patch_size=args.patch_size, shard_size=args.shard_size, val_fraction=0.1)
+    local_config = IngestConfig(source=str(root), output=str(args.workdir / "stage-out"), **common)
+
+    report: dict[str, object] = {"images": len(keys), "cpus": args.cpus, "sides": [args.min_side, args.max_side],
+                                 "image_size": args.image_size, "patch_size": args.patch_size}
+    report["decode_resize_per_core"] = decode_rate(root, keys, args.image_size)
+    report["loop"] = plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config)
+
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+    warm = args.workdir / "warm"
+    shutil.rmtree(warm, ignore_errors=True)
+    for c in range(2):  # a tiny corpus whose run starts the worker processes
+        (warm / f"c{c}").mkdir(parents=True)
+        for k in keys[c :: CLASSES][:16]:
+            shutil.copy(root / k, warm / f"c{c}" / Path(k).name)
+    stage(IngestConfig(source=str(warm), output=str(args.workdir / "warm-out"), **common), 32)
+
+    report["stage"] = stage(local_config, len(keys))
+    report["stage_per_core"] = report["stage"] / args.cpus
+    report["ratio"] = report["stage"] / report["loop"]
+    report["per_core_vs_decode"] = report["stage_per_core"] / report["decode_resize_per_core"]
+
+    if not args.skip_s3:
+        proc, url = start_s3_server()
+        try:
+            creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+            os.environ.update(creds)  # this process only; the stage resolves them from the AWS chain
+            client = boto3.client("s3", endpoint_url=url)
+            client.create_bucket(Bucket="bench")
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda k: client.put_object(Bucket="bench", Key=f"corpus/{k}", Body=(root / k).read_bytes()), keys))
+            report["loop_s3"] = plain_loop(
+                lambda k: client.get_object(Bucket="bench", Key=f"corpus/{k}")["Body"].read(),
+                keys, args.workdir / "loop-out", local_config,
+            )
+            s3_config = IngestConfig(source="s3://bench/corpus", output=str(args.workdir / "stage-out"), endpoint_url=url, **common)
+            report["stage_s3"] = stage(s3_config, len(keys))
+            report["ratio_s3"] = report["stage_s3"] / report["loop_s3"]
+        finally:
+            proc.terminate()
+            proc.wait()
+    ray.shutdown()
+
+    report = {k: round(v, 3) if isinstance(v, float) else v for k, v in report.items()}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>24}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Reading an ingested dataset: the manifest, a Ray Dataset of patch batches, small splits in memory.
+
+`patch_dataset` is what the training stages stream: Parquet shards read by Ray
+Data, decoded on CPU workers into `patches` float32 `(B, N, P*P*3)` normalised
+with `PATCH_MEAN` / `PATCH_STD`, and `label` int64. With `augment=True` each
+image gets a random-resized crop and a horizontal flip, applied to the pixels
+behind the patches (unpatchify → crop → resize → patchify).
+
+Augmentation randomness: with `seed=None` every pass draws fresh crops (what a
+training loop that iterates the same Dataset for several epochs wants). With an
+integer seed the crop of an image depends only on `(seed, epoch, key)`, so a run
+is reproducible; `epochs=k` then chains k passes with epochs 0..k-1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from pipelines import shards
+from pipelines.errors import VitpipeError
+from pipelines.images import patchify_batch, unpatchify
+from pipelines.storage import Store, open_store
+
+__all__ = [
+    "PATCH_MEAN",
+    "PATCH_STD",
+    "AugmentConfig",
+    "augment_patches",
+    "load_split",
+    "normalize",
+    "patch_dataset",
+    "read_manifest",
+]
+
+PATCH_MEAN = 0.5  # per channel, on pixels scaled to [0, 1]
+PATCH_STD = 0.5
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Random-resized-crop and flip parameters (crop area fraction and aspect ratio ranges)."""
+
+    scale: tuple[float, float] = (0.25, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+
+
+def read_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
+    """The manifest of a finished ingest output; raises `VitpipeError` if the output is incomplete."""
+    store = open_store(uri, endpoint_url=endpoint_url)
+    return _read_manifest(store)
+
+
+def _read_manifest(store: Store) -> dict[str, Any]:
+    if not store.exists(shards.SUCCESS):
+        raise VitpipeError(f"{store.uri}: not a finished ingest output (no {shards.SUCCESS} marker)")
+    try:
+        return json.loads(store.read(shards.MANIFEST))
+    except ValueError as exc:
+        raise VitpipeError(f"{store.child_uri(shards.MANIFEST)}: not valid JSON ({exc})") from None
+
+
+def normalize(patches: np.ndarray) -> np.ndarray:
+    """uint8 pixels → float32 `(x / 255 - PATCH_MEAN) / PATCH_STD`."""
+    return (patches.astype(np.float32) * np.float32(1 / (255 * PATCH_STD))) - np.float32(PATCH_MEAN / PATCH_STD)
+
+
+def patches_array(column: Any, num_patches: int, patch_dim: int) -> np.ndarray:
+    """A pyarrow binary column of patch bytes → uint8 `(B, N, D)` (zero-copy when contiguous)."""
+    column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    n = len(column)
+    if n == 0:
+        return np.zeros((0, num_patches, patch_dim), dtype=np.uint8)
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[column.offset : column.offset + n + 1]
+    data = np.frombuffer(column.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+    return data.reshape(n, num_patches, patch_dim)
+
+
+def _key_seed(key: str) -> list[int]:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return [int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
+
+
+def random_resized_crop(image: np.ndarray, rng: np.random.Generator, aug: AugmentConfig) -> np.ndarray:
+    """One `(S, S, 3)` uint8 image → a random crop resized back to `(S, S)`, maybe flipped."""
+    h, w = image.shape[:2]
+    box = (0, 0, w, h)
+    for _ in range(10):
+        area = h * w * rng.uniform(*aug.scale)
+        aspect = float(np.exp(rng.uniform(np.log(aug.ratio[0]), np.log(aug.ratio[1]))))
+        cw, ch = int(round(np.sqrt(area * aspect))), int(round(np.sqrt(area / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            x0, y0 = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            box = (x0, y0, x0 + cw, y0 + ch)
+            break
+    out = np.asarray(Image.fromarray(image).resize((w, h), Image.Resampling.BILINEAR, box=box))
+    if aug.flip and rng.random() < 0.5:
+        out = out[:, ::-1]
+    return out
+
+
+def augment_patches(
+    patches: np.ndarray, keys: list[str], *, patch_size: int, grid: tuple[int, int],
+    seed: int | None, epoch: int, aug: AugmentConfig,
+) -> np.ndarray:
+    """Random-resized-crop + flip a batch of uint8 patch sequences; returns the same shape and order."""
+    images = unpatchify(patches, patch_size, grid)
+    fresh = np.random.default_rng() if seed is None else None
+    out = np.empty_like(images)
+    for i, key in enumerate(keys):
+        rng = fresh if fresh is not None else np.random.default_rng([seed, epoch, *_key_seed(key)])
+        out[i] = random_resized_crop(images[i], rng, aug)
+    return patchify_batch(out, patch_size)
+
+
+def _decode_batch(
+    table: Any, *, layout: tuple[int, int, int, tuple[int, int]], augment: bool, seed: int | None, epoch: int,
+    aug: AugmentConfig,
+) -> dict[str, np.ndarray]:
+    """Ray Data UDF: Parquet rows → normalised float patches (augmented when asked)."""
+    n, d, p, grid = layout
+    patches = patches_array(table.column("patches"), n, d)
+    if augment:
+        keys = table.column("key").to_pylist()
+        patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=seed, epoch=epoch, aug=aug)
+    return {"patches": normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
+
+
+def patch_dataset(
+    uri: str,
+    split: str,
+    *,
+    augment: bool,
+    seed: int | None = None,
+    epochs: int = 1,
+    shuffle: bool | None = None,
+    aug: AugmentConfig | None = None,
+    endpoint_url: str | None = None,
+    batch_size: int = 64,
+) -> Any:
+    """A Ray Dataset over one split of an ingested output.
+
+    Rows (via `iter_torch_batches`): `patches` float32 `(N, P*P*3)`, `label` int64.
+    `shuffle` (default: same as `augment`) shuffles the shard file order, seeded
+    when `seed` is given; mix rows further with `local_shuffle_buffer_size` when
+    iterating. `epochs` > 1 chains that many passes (each with its own crops).
+    """
+    import ray.data
+    from ray.data.expressions import col
+
+    if split not in shards.SPLITS:
+        raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    store = open_store(uri, endpoint_url=endpoint_url)
+    manifest = _read_manifest(store)
+    keys = [s["path"] for s in manifest["shards"] if s.get("split", {}).get(split, 0) > 0]
+    if not keys:
+        raise VitpipeError(f"{store.uri}: split {split!r} has no images")
+    filesystem, _ = store.arrow()
+    paths = [store.arrow(k)[1] for k in keys]
+    shuffle = augment if shuffle is None else shuffle
+    passes = []
+    for epoch in range(epochs):
+        order = None
+        if shuffle:
+            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
+        ds = (
+            ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order)
+            .select_columns(["patches", "label", "key", "split"])
+            .filter(expr=col("split") == split)
+        )
+        layout = (manifest["num_patches"], manifest["patch_dim"], manifest["patch_size"], tuple(manifest["grid"]))
+        passes.append(
+            ds.map_batches(
+                _decode_batch,
+                fn_kwargs={"layout": layout, "augment": augment, "seed": seed, "epoch": epoch, "aug": aug or AugmentConfig()},
+                batch_format="pyarrow",
+                batch_size=batch_size,
+            )
+        )
+    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
+
+
+def load_split(
+    uri: str,
+    split: str,
+    *,
+    limit: int | None = None,
+    per_class: int | None = None,
+    endpoint_url: str | None = None,
+) -> tuple[Any, Any]:
+    """Load a (small) split into memory: `(patches float32 (B, N, D), labels int64 (B,))` torch tensors.
+
+    Rows are ordered by key. `per_class` keeps the first k images of each class
+    (few-shot sets); `limit` caps the total. No Ray needed.
+    """
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+    import torch
+
+    if split not in shards.SPLITS:
+        raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
+    store = open_store(uri, endpoint_url=endpoint_url)
+    manifest = _read_manifest(store)
+    tables = []
+    for entry in manifest["shards"]:
+        if entry.get("split", {}).get(split, 0) > 0:
+            fs, path = store.arrow(entry["path"])
+            tables.append(
+                pq.read_table(path, filesystem=fs, columns=["patches", "label", "key"], filters=pads.field("split") == split)
+            )
+    if not tables:
+        raise VitpipeError(f"{store.uri}: split {split!r} has no images")
+    table = pa.concat_tables(tables).sort_by("key")
+    keep = _select(table.column("label").to_numpy(), per_class, limit)
+    table = table.take(pa.array(keep, pa.int64()))
+    patches = normalize(patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"]))
+    labels = table.column("label").to_numpy().astype(np.int64)
+    return torch.from_numpy(patches), torch.from_numpy(labels)
+
+
+def _select(labels: np.ndarray, per_class: int | None, limit: int | None) -> np.ndarray:
+    idx = np.arange(len(labels))
+    if per_class is not None:
+        taken: dict[int, int] = {}
+        chosen = []
+        for i, y in enumerate(labels.tolist()):
+            if taken.get(y, 0) < per_class:
+                taken[y] = taken.get(y, 0) + 1
+                chosen.append(i)
+        idx = np.asarray(chosen, dtype=np.int64)
+    return idx[:limit] if limit is not None else idx

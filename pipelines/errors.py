@@ -1,0 +1,62 @@
+"""Errors a user can act on.
+
+A `VitpipeError` carries the one line the user sees: the CLI prints it without
+a traceback and exits non-zero. Its message names the thing at fault (a URI, a
+config field) and the cause, e.g. ``s3://bucket/prefix: bucket does not exist``.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class VitpipeError(Exception):
+    """An error whose message is the single line shown to the user."""
+
+    def __init__(self, message: str) -> None:
+        # Keep the message on one line whatever the cause text contained.
+        super().__init__(" ".join(str(message).split()))
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class StorageError(VitpipeError):
+    """Object storage (local or S3) could not be read or written."""
+
+
+class IngestError(VitpipeError):
+    """The ingest stage refused its input (too many rejected objects, a bad manifest)."""
+
+
+def find_vitpipe_error(exc: BaseException) -> VitpipeError | None:
+    """The `VitpipeError` behind `exc`, looking through Ray's wrappers and exception chains.
+
+    Ray re-raises a worker's exception wrapped (`RayTaskError`); the original sits
+    in `.cause` or the `__cause__` chain. Ray Data's `UserCodeException` keeps
+    neither, only the remote traceback text: as a last resort the error is rebuilt
+    from its `pipelines.errors.<Class>: <message>` line there.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        cause = getattr(err, "cause", None)
+        if isinstance(err, VitpipeError) and not isinstance(cause, BaseException):
+            return err
+        todo.extend([err.__context__, err.__cause__])
+        if isinstance(cause, BaseException):
+            todo.append(cause)
+    found = _TRACEBACK_LINE.findall(str(exc))
+    if found:
+        name, message = found[-1]
+        return _CLASSES.get(name, VitpipeError)(message)
+    return None
+
+
+_TRACEBACK_LINE = re.compile(r"^pipelines\.errors\.(\w+): (.+)$", re.MULTILINE)
+_CLASSES: dict[str, type[VitpipeError]] = {c.__name__: c for c in (VitpipeError, StorageError, IngestError)}

@@ -1,0 +1,401 @@
+"""The ingest stage: a corpus of image objects → sharded, patchified Parquet + `manifest.json`.
+
+The work is a Ray Data pipeline of two operators:
+
+1. *plan* (one task) streams the source listing page by page — `<class>/<file>`
+   folders, or the rows of a CSV/Parquet manifest — and cuts it into shard plans
+   of `shard_size` keys. Keys are shuffled within a window of `mix_window` shards
+   (seeded), so a shard mixes classes without a global shuffle. Plans depend only
+   on the listing and the config, which makes shard ids stable across reruns.
+2. *process* (many tasks, one shard each) fetches the objects with a few I/O
+   threads, decodes, resizes and patchifies them (`pipelines.images`), and writes
+   the shard atomically. A shard already written for the same plan and config is
+   reused, which is what makes an interrupted run resumable.
+
+The driver only collects per-shard summaries (counts, rejects, hashes), writes
+`manifest.json`, and writes `_SUCCESS` last. A rerun whose `_SUCCESS` holds the
+same config fingerprint does nothing. See `pipelines.shards` for the format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipelines import ingest_plan, shards
+from pipelines.errors import IngestError, StorageError, VitpipeError
+from pipelines.images import RejectedImage, decode_image, patchify
+from pipelines.storage import S3Settings, S3Store, Store, open_store, parse_uri
+
+log = logging.getLogger("vitpipe.ingest")
+
+PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
+
+
+class IngestConfig(BaseModel):
+    """Configuration of the ingest stage (validated at construction; holds no credentials)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str  # s3://bucket/prefix or a local directory
+    output: str  # s3://bucket/prefix or a local directory
+    manifest: str | None = None  # CSV/Parquet with columns key,label[,split]; keys relative to source
+    endpoint_url: str | None = None  # S3-compatible endpoint; default AWS_ENDPOINT_URL(_S3) or AWS
+    image_size: int = Field(224, ge=8, le=4096)
+    patch_size: int = Field(16, ge=1, le=512)
+    val_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    test_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    max_pixels: int = Field(PILLOW_MAX_PIXELS, ge=1)
+    max_reject_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    seed: int = 0
+    shard_size: int = Field(512, ge=1)
+    mix_window: int = Field(8, ge=1)  # shards whose keys are shuffled together
+    concurrency: int | None = Field(None, ge=1)  # shard tasks at once; None: as many as CPUs allow
+    io_threads: int = Field(8, ge=1, le=64)  # S3 fetches in flight per shard task
+    compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
+
+    @field_validator("source", "output", "manifest")
+    @classmethod
+    def _valid_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_uri(value)  # raises ValueError naming the URI
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> IngestConfig:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
+        if self.val_fraction + self.test_fraction > 1.0:
+            raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
+        if parse_uri(self.source).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
+            raise ValueError(f"output {self.output} must differ from source")
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that decide the output's content (not how fast or how strictly it is made)."""
+        return self.model_dump(
+            mode="json", exclude={"output", "endpoint_url", "concurrency", "io_threads", "max_reject_fraction"}
+        )
+
+
+@dataclass
+class IngestResult:
+    """What a run produced; `skipped` when a finished output with the same config was found."""
+
+    output: str
+    manifest: dict[str, Any]
+    counts: dict[str, Any]
+    shards_written: int
+    shards_reused: int
+    skipped: bool
+    seconds: float
+
+
+def run_ingest(config: IngestConfig) -> IngestResult:
+    """Run (or resume, or skip) the ingest stage.
+
+    Raises `StorageError` (one line naming the URI) when the source, manifest or
+    output cannot be reached, and `IngestError` when more than
+    `max_reject_fraction` of the objects are rejected.
+    """
+    start = time.perf_counter()
+    settings = S3Settings.resolve(config.endpoint_url)
+    source = open_store(config.source, settings)
+    out = open_store(config.output, settings)
+    fingerprint = shards.fingerprint({"format": shards.FORMAT, **config.identity()})
+
+    _check_output(out)
+    done = _finished_manifest(out, fingerprint)
+    if done is not None:
+        log.info("ingest: %s is complete for this config; nothing to do", config.output)
+        return IngestResult(config.output, done, done["counts"], 0, 0, True, time.perf_counter() - start)
+    manifest_store = open_store(config.manifest, settings) if config.manifest else None
+    _check_source(source, manifest_store)
+    out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
+
+    summaries = _run_pipeline(config, source, manifest_store, out, fingerprint)
+    _remove_stale_shards(out, {s["key"] for s in summaries})
+    manifest = _assemble_manifest(config, settings, fingerprint, summaries)
+    out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+    counts = manifest["counts"]
+    total = counts["images"] + counts["rejected"]
+    if total and counts["rejected"] / total > config.max_reject_fraction:
+        first = manifest["rejected"][0]
+        raise IngestError(
+            f"{config.source}: {counts['rejected']} of {total} objects rejected "
+            f"({100 * counts['rejected'] / total:.1f}% > {100 * config.max_reject_fraction:.1f}%), "
+            f"e.g. {first['key']}: {first['reason']}; the full list is in {out.child_uri(shards.MANIFEST)}"
+        )
+    out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
+    written = sum(not s.get("reused") for s in summaries)
+    log.info(
+        "ingest: %d images (%d rejected) in %d shards (%d written, %d reused) -> %s",
+        counts["images"], counts["rejected"], len(summaries), written, len(summaries) - written, config.output,
+    )
+    return IngestResult(config.output, manifest, counts, written, len(summaries) - written, False, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- driver-side checks
+
+
+def _check_output(out: Store) -> None:
+    if parse_uri(out.uri).scheme == "file":
+        try:
+            os.makedirs(out.uri, exist_ok=True)
+        except OSError as exc:
+            raise out.error(exc) from None
+    else:
+        out.check()
+
+
+def _finished_manifest(out: Store, fingerprint: str) -> dict[str, Any] | None:
+    if not out.exists(shards.SUCCESS):
+        return None
+    try:
+        marker = json.loads(out.read(shards.SUCCESS))
+        if marker.get("fingerprint") != fingerprint:
+            return None
+        return json.loads(out.read(shards.MANIFEST))
+    except (ValueError, StorageError):
+        return None  # a damaged marker or manifest: run again
+
+
+def _check_source(source: Store, manifest: Store | None) -> None:
+    source.check()
+    if manifest is not None:
+        fs, path = manifest.arrow()
+        try:
+            info = fs.get_file_info(path)
+        except OSError as exc:
+            raise manifest.error(exc) from None
+        if info.type.name != "File":
+            raise StorageError(f"{manifest.uri}: manifest does not exist")
+        return
+    if next(iter(source.list_pages(page_size=1)), None) is None:
+        raise StorageError(f"{source.uri}: no objects under this prefix")
+
+
+# ---------------------------------------------------------------- the Ray Data pipeline
+
+
+def _run_pipeline(
+    config: IngestConfig, source: Store, manifest: Store | None, out: Store, fingerprint: str
+) -> list[dict[str, Any]]:
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    previous = ctx.target_max_block_size
+    # One shard plan per block, so each plan becomes its own task as soon as it is listed.
+    # The context is captured when the dataset is created; restore it for everyone else.
+    ctx.target_max_block_size = 1
+    try:
+        ds = ray.data.from_items([{"plan": 0}]).map_batches(
+            _plan_udf,
+            batch_size=1,
+            fn_kwargs={"config": config, "source": source, "manifest": manifest},
+            num_cpus=0,  # listing is I/O; it must not hold a CPU slot the decoders need
+        )
+        ds = ds.map_batches(
+            _process_udf,
+            batch_size=1,
+            fn_kwargs={"config": config, "source": source, "out": out, "fingerprint": fingerprint},
+            num_cpus=1,
+            compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
+        )
+    finally:
+        ctx.target_max_block_size = previous
+    summaries = []
+    for row in ds.iter_rows():
+        summary = json.loads(row["summary"])
+        if "error" in summary:  # a user-facing error on a worker: stop and report it as one line
+            raise _ERRORS.get(summary["error_type"], VitpipeError)(summary["error"])
+        summaries.append(summary)
+    return sorted(summaries, key=lambda s: s["index"])
+
+
+# Errors travel from workers as data: Ray re-raises worker exceptions wrapped, with the
+# original's class and message buried in a traceback.
+_ERRORS: dict[str, type[VitpipeError]] = {cls.__name__: cls for cls in (VitpipeError, StorageError, IngestError)}
+
+
+def _error_row(column: str, err: VitpipeError) -> dict[str, Any]:
+    return {column: np.array([json.dumps({"error": err.message, "error_type": type(err).__name__})], dtype=object)}
+
+
+def _plan_udf(batch: dict[str, Any], *, config: IngestConfig, source: Store, manifest: Store | None) -> Iterator[dict[str, Any]]:
+    try:
+        items = ingest_plan.manifest_items(manifest) if manifest is not None else ingest_plan.folder_items(source)
+        for index, plan in enumerate(ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed)):
+            plan["index"] = index
+            yield {"plan": np.array([json.dumps(plan)], dtype=object)}
+    except VitpipeError as err:
+        yield _error_row("plan", err)
+
+
+def _process_udf(
+    batch: dict[str, Any], *, config: IngestConfig, source: Store, out: Store, fingerprint: str
+) -> dict[str, Any]:
+    plan = json.loads(batch["plan"][0])
+    if "error" in plan:
+        return {"summary": batch["plan"]}  # pass the planner's error on to the driver
+    try:
+        summary = process_shard(plan, config, source, out, fingerprint)
+    except VitpipeError as err:
+        return _error_row("summary", err)
+    return {"summary": np.array([json.dumps(summary)], dtype=object)}
+
+
+# ---------------------------------------------------------------- one shard
+
+
+def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out: Store, fingerprint: str) -> dict[str, Any]:
+    """Decode and write one planned shard (or reuse it when already written for this plan); returns its summary."""
+    key = shards.shard_key(plan["index"])
+    plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
+    fs, path = out.arrow(key)
+    existing = shards.read_summary(fs, path)
+    if existing is not None and existing.get("plan_fingerprint") == plan_fingerprint:
+        return {**existing, "reused": True}
+
+    size, p = config.image_size, config.patch_size
+    grid = size // p
+    pixels = _pixel_buffer((len(plan["keys"]), grid * grid, p * p * 3))
+    kept: dict[str, list[Any]] = {"keys": [], "labels": [], "splits": [], "names": []}
+    fixed = 0  # rows whose split the manifest fixed
+    rejected: list[dict[str, str]] = []
+
+    todo = [i for i, reason in enumerate(plan["reasons"]) if not reason]
+    rejected.extend({"key": plan["keys"][i], "reason": r} for i, r in enumerate(plan["reasons"]) if r)
+    # Remote reads wait on the network, so keep several in flight; local reads need only run ahead.
+    threads = config.io_threads if isinstance(source, S3Store) else 2
+    with ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
+        for i, data in zip(todo, pool.map(lambda i: _fetch(source, plan["keys"][i]), todo)):
+            obj = plan["keys"][i]
+            if isinstance(data, StorageError):
+                rejected.append({"key": obj, "reason": f"unreadable ({data.message.split(': ', 1)[-1]})"})
+                continue
+            try:
+                image = decode_image(data, size, max_pixels=config.max_pixels)
+            except RejectedImage as why:
+                rejected.append({"key": obj, "reason": str(why)})
+                continue
+            patchify(image, p, out=pixels[len(kept["keys"])])
+            kept["keys"].append(obj)
+            kept["labels"].append(plan["labels"][i])
+            kept["splits"].append(plan["splits"][i] or shards.split_of(obj, config.val_fraction, config.test_fraction))
+            fixed += bool(plan["splits"][i])
+            kept["names"].append(plan["names"][i])
+
+    n = len(kept["keys"])
+    table = shards.build_table(pixels[:n], kept["labels"], kept["keys"], kept["splits"])
+    by_split = Counter(kept["splits"])
+    by_split_class: dict[str, Counter[str]] = defaultdict(Counter)
+    for split, name in zip(kept["splits"], kept["names"]):
+        by_split_class[split][name] += 1
+    summary = {
+        "index": plan["index"],
+        "key": key,
+        "plan_fingerprint": plan_fingerprint,
+        "rows": n,
+        "fixed_splits": fixed,
+        "hash": shards.rows_hash(kept["keys"], kept["labels"], kept["splits"], memoryview(pixels[:n].reshape(-1))),
+        "classes": plan["classes"],
+        "split": dict(by_split),
+        "split_class": {s: dict(c) for s, c in by_split_class.items()},
+        "rejected": rejected,
+    }
+    shards.write_shard(out, key, table, summary, config.compression)
+    return summary
+
+
+_buffers: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _pixel_buffer(shape: tuple[int, int, int]) -> np.ndarray:
+    """A reusable uint8 buffer: Ray reuses worker processes, and touching fresh memory for
+    every shard costs as much as patchifying it. Safe because a shard is written before
+    the next one starts in the same process."""
+    n, rest = shape[0], shape[1:]
+    cached = next((b for s, b in _buffers.items() if s[1:] == rest and s[0] >= n), None)
+    if cached is None:
+        _buffers.clear()
+        cached = _buffers[shape] = np.empty(shape, dtype=np.uint8)
+    return cached[:n]
+
+
+def _fetch(source: Store, key: str) -> bytes | StorageError:
+    try:
+        return source.read(key)
+    except StorageError as exc:
+        return exc
+
+
+# ---------------------------------------------------------------- finishing
+
+
+def _remove_stale_shards(out: Store, keep: set[str]) -> None:
+    """Delete shards of an earlier, different run and temporary files of interrupted writes."""
+    for page in out.list_pages(shards.SHARD_DIR, hidden=True):
+        for key in page:
+            if key not in keep:
+                out.delete(key)
+
+
+def _split_source(fixed: int, rows: int) -> str:
+    """"manifest" when the manifest fixed every row's split, "hash" when it fixed none."""
+    if fixed == 0:
+        return "hash"
+    return "manifest" if fixed == rows else "mixed"
+
+
+def _assemble_manifest(
+    config: IngestConfig, settings: S3Settings, fingerprint: str, summaries: list[dict[str, Any]]
+) -> dict[str, Any]:
+    classes: dict[str, int] = {}
+    for s in summaries:
+        classes.update(s["classes"])
+    classes = dict(sorted(classes.items(), key=lambda kv: kv[1]))
+    split_counts = {split: sum(s["split"].get(split, 0) for s in summaries) for split in shards.SPLITS}
+    split_class = {
+        split: {name: sum(s["split_class"].get(split, {}).get(name, 0) for s in summaries) for name in classes}
+        for split in shards.SPLITS
+    }
+    rejected = sorted((r for s in summaries for r in s["rejected"]), key=lambda r: r["key"])
+    grid = config.image_size // config.patch_size
+    public = config.model_dump(mode="json")
+    public["endpoint_url"] = settings.public()["endpoint_url"]
+    return {
+        "format": shards.FORMAT,
+        "image_size": config.image_size,
+        "patch_size": config.patch_size,
+        "channels": 3,
+        "grid": [grid, grid],
+        "num_patches": grid * grid,
+        "patch_dim": config.patch_size**2 * 3,
+        "classes": classes,
+        "num_classes": len(classes),
+        "counts": {
+            **split_counts,
+            "images": sum(s["rows"] for s in summaries),
+            "rejected": len(rejected),
+            "classes": {name: sum(split_class[sp][name] for sp in shards.SPLITS) for name in classes},
+            "split_classes": split_class,
+        },
+        "split_source": _split_source(sum(s["fixed_splits"] for s in summaries), sum(s["rows"] for s in summaries)),
+        "rejected": rejected,
+        "shards": [{"path": s["key"], "rows": s["rows"], "split": s["split"]} for s in summaries],
+        "content_hash": shards.content_hash(config.image_size, config.patch_size, classes, [s["hash"] for s in summaries]),
+        "fingerprint": fingerprint,
+        "config": public,
+    }

@@ -1,0 +1,338 @@
+"""Object storage for the stages: local folders and `s3://` (AWS or any S3-compatible endpoint).
+
+A `Store` is a root URI plus the few operations the stages need, addressed by
+keys relative to that root: paginated sorted listing, whole-object reads,
+atomic writes, deletes, and a pyarrow filesystem for Parquet readers.
+Credentials and endpoints are `pipelines.s3.S3Settings` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipelines.errors import StorageError
+from pipelines.s3 import Credentials, S3Settings, redact, storage_error, strip_userinfo
+
+__all__ = [
+    "Credentials", "LocalStore", "Location", "S3Settings", "S3Store", "Store",
+    "join_key", "open_store", "parse_uri", "ray_storage", "redact", "storage_error",
+]
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_TMP_PREFIX = ".tmp-vitpipe-"
+
+
+# ---------------------------------------------------------------- URIs
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed storage URI: `s3` with bucket and key prefix, or `file` with an absolute path."""
+
+    scheme: str  # "s3" or "file"
+    bucket: str  # "" for local paths
+    path: str  # s3: key prefix without surrounding "/"; file: absolute path
+
+    @property
+    def uri(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{self.path}" if self.path else f"s3://{self.bucket}"
+        return self.path
+
+
+def parse_uri(uri: str) -> Location:
+    """Parse `s3://bucket/prefix`, `file:///path` or a plain local path.
+
+    Raises ValueError for other schemes, malformed bucket names and URIs that
+    embed credentials (`s3://key:secret@bucket`): those belong in the AWS chain.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError("storage URI must be a non-empty string")
+    uri = uri.strip()
+    if "://" not in uri:
+        return Location("file", "", os.path.abspath(os.path.expanduser(uri)))
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        return Location("file", "", os.path.abspath(parts.path or "/"))
+    if scheme not in ("s3", "s3a"):
+        raise ValueError(f"{uri}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
+    if "@" in parts.netloc:
+        raise ValueError(f"{strip_userinfo(uri)}: credentials in the URI are refused; use the AWS environment or profile")
+    bucket = parts.netloc
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"{uri}: {bucket!r} is not a valid bucket name")
+    return Location("s3", bucket, parts.path.strip("/"))
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with "/" (no leading, trailing or doubled separators)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+# ---------------------------------------------------------------- stores
+
+
+class Store:
+    """A storage root; keys are relative to it and use "/" separators."""
+
+    uri: str
+
+    def list_pages(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[str]]:
+        """Keys under `prefix` in lexicographic order, a page at a time.
+
+        Names starting with "." (editor files, our own temporary files) are skipped unless `hidden`.
+        """
+        raise NotImplementedError
+
+    def read(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write an object atomically: readers see the old object, the new one, or nothing."""
+        with self.atomic_path(key) as path, open(path, "wb") as f:
+            f.write(data)
+
+    @contextmanager
+    def atomic_path(self, key: str) -> Iterator[str]:
+        """A local file path to write; when the block ends without error it becomes `key` atomically."""
+        raise NotImplementedError
+        yield ""
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise a one-line `StorageError` when the root cannot be reached (missing bucket, bad credentials)."""
+        raise NotImplementedError
+
+    def arrow(self, key: str = "") -> tuple[Any, str]:
+        """`(pyarrow filesystem, path)` for `key`, for Parquet readers."""
+        raise NotImplementedError
+
+    def child_uri(self, key: str) -> str:
+        return f"{self.uri.rstrip('/')}/{key}" if key else self.uri
+
+    def error(self, exc: BaseException, key: str = "") -> StorageError:
+        return storage_error(self.child_uri(key), exc, getattr(self, "settings", None))
+
+
+def _is_hidden(key: str) -> bool:
+    return any(part.startswith(".") for part in key.split("/"))
+
+
+class LocalStore(Store):
+    """A local directory; writes go to a temporary name and are renamed into place."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.uri = root
+
+    def _path(self, key: str) -> str:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise StorageError(f"{self.child_uri(key)}: key escapes the storage root")
+        return os.path.join(self.root, *key.split("/")) if key else self.root
+
+    def list_pages(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[str]]:
+        page: list[str] = []
+        start = self._path(prefix)
+        if prefix and not os.path.isdir(start) and os.path.isdir(self.root):
+            return  # like S3: an absent sub-prefix lists nothing
+        try:
+            for key in self._walk(start, prefix, hidden, set()):
+                page.append(key)
+                if len(page) >= page_size:
+                    yield page
+                    page = []
+        except OSError as exc:
+            raise self.error(exc, prefix) from None
+        if page:
+            yield page
+
+    def _walk(self, directory: str, rel: str, hidden: bool, seen: set[str]) -> Iterator[str]:
+        # Sort each directory by the key its entries produce ("a/..." after "a.txt"),
+        # so the walk yields keys in the same order as an S3 listing.
+        real = os.path.realpath(directory)
+        if real in seen:  # a symlink loop
+            return
+        seen.add(real)
+        with os.scandir(directory) as it:
+            entries = [(e.name + "/" if e.is_dir() else e.name, e) for e in it if hidden or not e.name.startswith(".")]
+        for sort_key, entry in sorted(entries, key=lambda t: t[0]):
+            key = join_key(rel, entry.name)
+            if sort_key.endswith("/"):
+                yield from self._walk(entry.path, key, hidden, seen)
+            else:
+                yield key
+
+    def read(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise self.error(exc, key) from None
+
+    @contextmanager
+    def atomic_path(self, key: str) -> Iterator[str]:
+        path = self._path(key)
+        directory, name = os.path.split(path)
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}-{name}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            yield tmp
+            os.replace(tmp, path)  # atomic on POSIX within one filesystem
+        except OSError as exc:
+            raise self.error(exc, key) from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self.error(exc, key) from None
+
+    def check(self) -> None:
+        if not os.path.isdir(self.root):
+            raise StorageError(f"{self.root}: {'is not a directory' if os.path.exists(self.root) else 'does not exist'}")
+
+    def arrow(self, key: str = "") -> tuple[Any, str]:
+        import pyarrow.fs as pafs
+
+        return pafs.LocalFileSystem(), self._path(key)
+
+
+class S3Store(Store):
+    """A bucket and key prefix on AWS S3 or an S3-compatible endpoint."""
+
+    def __init__(self, location: Location, settings: S3Settings) -> None:
+        self.bucket = location.bucket
+        self.prefix = location.path
+        self.uri = location.uri
+        self.settings = settings
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None  # clients do not pickle; each process makes its own
+        return state
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = self.settings.boto3_client("s3")
+        return self._client
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def list_pages(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[str]]:
+        base = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            pages = paginator.paginate(
+                Bucket=self.bucket, Prefix=f"{base}/" if base else "", PaginationConfig={"PageSize": page_size}
+            )
+            for page in pages:
+                keys = [
+                    obj["Key"][strip:]
+                    for obj in page.get("Contents", [])
+                    if not obj["Key"].endswith("/") and (hidden or not _is_hidden(obj["Key"][strip:]))
+                ]
+                if keys:
+                    yield keys
+        except Exception as exc:  # botocore raises several unrelated types
+            raise self.error(exc, prefix) from None
+
+    def read(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except Exception as exc:
+            raise self.error(exc, key) from None
+
+    def write(self, key: str, data: bytes) -> None:
+        # A PUT is atomic: the object appears whole or not at all.
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        except Exception as exc:
+            raise self.error(exc, key) from None
+
+    @contextmanager
+    def atomic_path(self, key: str) -> Iterator[str]:
+        # Staged in a local file, then uploaded: a single PUT, or a multipart upload that
+        # only becomes visible when it completes.
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX)
+        os.close(fd)
+        try:
+            yield tmp
+            self.client.upload_file(tmp, self.bucket, self._key(key))
+        except Exception as exc:
+            raise self.error(exc, key) from None
+        finally:
+            os.unlink(tmp)
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise self.error(exc, key) from None
+        except Exception as exc:
+            raise self.error(exc, key) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except Exception as exc:
+            raise self.error(exc, key) from None
+
+    def check(self) -> None:
+        try:
+            self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+        except Exception as exc:
+            raise self.error(exc) from None
+
+    def arrow(self, key: str = "") -> tuple[Any, str]:
+        return self.settings.arrow_filesystem(), f"{self.bucket}/{self._key(key)}"
+
+
+def open_store(uri: str, settings: S3Settings | None = None, *, endpoint_url: str | None = None) -> Store:
+    """The `Store` for `uri`; S3 settings are resolved from the AWS chain unless given."""
+    location = parse_uri(uri)
+    if location.scheme == "file":
+        return LocalStore(location.path)
+    return S3Store(location, settings or S3Settings.resolve(endpoint_url))
+
+
+def ray_storage(uri: str, *, endpoint_url: str | None = None) -> tuple[str, Any]:
+    """`(storage_path, storage_filesystem)` for Ray Train's `RunConfig`.
+
+    Local: `(absolute path, None)`. S3: `("bucket/prefix", S3FileSystem)`.
+    """
+    location = parse_uri(uri)
+    if location.scheme == "file":
+        return location.path, None
+    settings = S3Settings.resolve(endpoint_url)
+    return join_key(location.bucket, location.path), settings.arrow_filesystem()

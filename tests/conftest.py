@@ -1,0 +1,234 @@
+"""Shared test fixtures: real parts, started once per session.
+
+* `ray_cluster`: one local Ray cluster (4 logical CPUs, dashboard on, bound to
+  127.0.0.1) for the whole session.
+* `s3_server`: moto's S3 server over HTTP on a free loopback port, with IAM
+  authentication enforced: requests must carry the fixture's credentials, so a
+  wrong key or secret fails as it would on AWS. `s3_bucket` makes a fresh bucket
+  per test; `s3_env` puts the server's endpoint and credentials in the environment
+  for one test only (monkeypatch), for code that reads the standard AWS chain.
+* `tiny_dataset`: a small ingested fractal dataset (local), for stages downstream
+  of ingest.
+
+Ray workers never get AWS variables from the environment: stages resolve
+credentials on the driver and pass them along (`pipelines.storage.S3Settings`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REGION = "us-east-1"
+
+# moto's own server entry point with two wire-level fixes, so the server behaves
+# like S3 for the clients we use:
+# * werkzeug's `request.url` percent-decodes the query ("prefix=a%2F" -> "prefix=a/"),
+#   so moto's signature check fails for any listing whose prefix holds a "/".
+#   Hand moto the URL with the query string as sent.
+# * moto answers CompleteMultipartUpload with a <CompleteMultipartUploadResponse>
+#   root where S3 sends <CompleteMultipartUploadResult>; boto3 does not mind, but
+#   the AWS C++ SDK inside pyarrow (Ray Train's checkpoint uploads) rejects it.
+_MOTO_LAUNCHER = """
+import sys
+from moto.core import serialize
+from moto.server import main
+from werkzeug.wrappers import Request
+
+def _url_as_sent(self):
+    query = self.query_string.decode("latin-1")
+    return f"{self.base_url}?{query}" if query else self.base_url
+
+Request.url = property(_url_as_sent)
+
+_wrapped = serialize.S3Serializer._serialized_result_to_response
+
+def _fixed(self, resp, result, shape, serialized_result):
+    resp = _wrapped(self, resp, result, shape, serialized_result)
+    if self.operation_model.name == "CompleteMultipartUpload" and isinstance(resp.get("body"), str):
+        resp["body"] = resp["body"].replace("CompleteMultipartUploadResponse", "CompleteMultipartUploadResult")
+    return resp
+
+serialize.S3Serializer._serialized_result_to_response = _fixed
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    """The session's Ray cluster."""
+
+    address: str
+    dashboard_url: str
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    """One real local Ray cluster for the session (dashboard on: Train/Tune need its state API)."""
+    import ray
+
+    # Starting Ray on a busy 2-core machine can take longer than the default wait.
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+    context = ray.init(
+        address="local",  # always a fresh cluster, never one that `ray start` left running
+        _node_ip_address="127.0.0.1",
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        num_cpus=4,
+    )
+    try:
+        yield RayCluster(address=context.address_info["gcs_address"], dashboard_url=f"http://{context.dashboard_url}")
+    finally:
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A running S3-compatible server and credentials it accepts."""
+
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    region: str = REGION
+
+    def client(self, service: str = "s3", **overrides: Any) -> Any:
+        """A boto3 client for this server (override `aws_secret_access_key` etc. to test failures)."""
+        import boto3
+
+        kwargs: dict[str, Any] = {
+            "endpoint_url": self.endpoint_url,
+            "region_name": self.region,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+        }
+        kwargs.update(overrides)
+        return boto3.client(service, **kwargs)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables pointing at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+        }
+
+
+def _wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"S3 test server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/reset-auth", timeout=2)
+        except urllib.error.HTTPError:
+            return  # it answered (400: reset-auth wants a POST)
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"S3 test server did not answer on {url} within {timeout:.0f}s")
+
+
+def _enforce_auth(url: str) -> tuple[str, str]:
+    """Create an IAM user allowed everything, then make the server check every request's signature."""
+    import boto3
+
+    iam = boto3.client(
+        "iam", endpoint_url=url, region_name=REGION, aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap"
+    )
+    iam.create_user(UserName="vitpipe-tests")
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="vitpipe-tests", PolicyName="all", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="vitpipe-tests")["AccessKey"]
+    request = urllib.request.Request(
+        f"{url}/moto-api/reset-auth", data=b"0", method="POST", headers={"Content-Type": "text/plain"}
+    )
+    urllib.request.urlopen(request, timeout=10)
+    return key["AccessKeyId"], key["SecretAccessKey"]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto's S3 server over HTTP on 127.0.0.1:<free port>, with authentication enforced."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("s3-server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MOTO_LAUNCHER, "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    try:
+        _wait_until_up(url, proc, log)
+        access_key, secret_key = _enforce_auth(url)
+        yield S3Server(url, access_key, secret_key)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> Iterator[str]:
+    """A fresh, empty bucket; emptied and removed after the test."""
+    client = s3_server.client()
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    client.create_bucket(Bucket=name)
+    yield name
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+        objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objects:
+            client.delete_objects(Bucket=name, Delete={"Objects": objects})
+    client.delete_bucket(Bucket=name)
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server's endpoint and credentials in the AWS environment variables, for this test only."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)  # no stray profile settings
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A finished local ingest output: 120 fractal images in 4 classes, 16×16 pixels, patch 4.
+
+    Splits by key hash: val 0.2, test 0.1. Returns the output directory.
+    """
+    from pipelines.corpus import synth_corpus
+    from pipelines.ingest import IngestConfig, run_ingest
+
+    root = tmp_path_factory.mktemp("tiny-dataset")
+    synth_corpus(str(root / "corpus"), images=120, classes=4, size=24, seed=0)
+    config = IngestConfig(
+        source=str(root / "corpus"), output=str(root / "out"), image_size=16, patch_size=4,
+        val_fraction=0.2, test_fraction=0.1, shard_size=32,
+    )
+    return run_ingest(config).output

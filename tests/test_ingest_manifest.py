@@ -1,0 +1,111 @@
+"""Ingest driven by a manifest (CSV or Parquet of key,label[,split]) instead of class folders."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipelines.errors import IngestError
+from pipelines.ingest import IngestConfig, run_ingest
+
+
+def _write_flat_corpus(root: Path, n: int) -> list[str]:
+    """Images in a flat layout, where folders say nothing about labels."""
+    rng = np.random.default_rng(5)
+    keys = []
+    for i in range(n):
+        key = f"pool/img-{i:04d}.png"
+        (root / "pool").mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(20, 20, 3), dtype=np.uint8)).save(buf, "PNG")
+        (root / key).write_bytes(buf.getvalue())
+        keys.append(key)
+    return keys
+
+
+def _config(root: Path, manifest: Path, out: Path, **overrides) -> IngestConfig:
+    fields = dict(source=str(root), output=str(out), manifest=str(manifest), image_size=16, patch_size=4,
+                  shard_size=16, max_reject_fraction=0.1)
+    fields.update(overrides)
+    return IngestConfig(**fields)
+
+
+def _rows(result) -> dict[str, dict]:
+    rows = {}
+    for entry in result.manifest["shards"]:
+        for row in pq.read_table(Path(result.output, entry["path"]), columns=["key", "label", "split"]).to_pylist():
+            rows[row["key"]] = row
+    return rows
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flat")
+    return root, _write_flat_corpus(root, 40)
+
+
+@pytest.fixture(scope="module")
+def parquet_run(ray_cluster, flat, tmp_path_factory):
+    """Named labels, a fixed split for every row, and one key that does not exist."""
+    root, keys = flat
+    names = ["zebra", "apple", "mango"]
+    labels = [names[i % 3] for i in range(len(keys))] + ["apple"]
+    splits = ["test" if i % 4 == 0 else "train" for i in range(len(keys))] + ["train"]
+    table = pa.table({"key": keys + ["pool/missing.png"], "label": labels, "split": splits})
+    manifest = tmp_path_factory.mktemp("m") / "labels.parquet"
+    pq.write_table(table, manifest)
+    return run_ingest(_config(root, manifest, tmp_path_factory.mktemp("out") / "o")), dict(zip(table["key"].to_pylist(), zip(labels, splits)))
+
+
+def test_named_labels_are_numbered_in_sorted_order(parquet_run):
+    result, _ = parquet_run
+    assert result.manifest["classes"] == {"apple": 0, "mango": 1, "zebra": 2}
+
+
+def test_rows_carry_the_manifest_label_and_split(parquet_run):
+    result, truth = parquet_run
+    classes = result.manifest["classes"]
+    for key, row in _rows(result).items():
+        label, split = truth[key]
+        assert (row["label"], row["split"]) == (classes[label], split)
+    assert result.manifest["split_source"] == "manifest"
+
+
+def test_a_listed_object_that_does_not_exist_is_rejected_as_unreadable(parquet_run):
+    result, _ = parquet_run
+    assert [r["key"] for r in result.manifest["rejected"]] == ["pool/missing.png"]
+    assert result.manifest["rejected"][0]["reason"].startswith("unreadable (does not exist")
+
+
+def test_csv_manifest_with_integer_labels_and_no_split(ray_cluster, flat, tmp_path):
+    root, keys = flat
+    csv = tmp_path / "labels.csv"
+    csv.write_text("key,label\n" + "".join(f"{k},{i % 2 + 3}\n" for i, k in enumerate(keys)))
+    result = run_ingest(_config(root, csv, tmp_path / "out", val_fraction=0.25))
+    assert result.manifest["classes"] == {"3": 3, "4": 4}
+    rows = _rows(result)
+    assert sorted(rows) == sorted(keys)
+    assert {row["label"] for row in rows.values()} == {3, 4}
+    assert result.manifest["split_source"] == "hash"
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("name,label\na.png,1\n", "missing column 'key'"),
+        ("key,label,split\npool/img-0000.png,1,holdout\n", "split 'holdout'"),
+    ],
+)
+def test_malformed_manifests_fail_with_one_line(ray_cluster, flat, tmp_path, text, words):
+    root, _ = flat
+    bad = tmp_path / "bad.csv"
+    bad.write_text(text)
+    with pytest.raises(IngestError, match=words) as info:
+        run_ingest(_config(root, bad, tmp_path / "out"))
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)

@@ -1,0 +1,196 @@
+"""pipelines.storage: URIs, listing, atomic writes, credentials and one-line errors (real S3 server)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.errors import StorageError
+from pipelines.storage import Credentials, LocalStore, S3Settings, open_store, parse_uri, ray_storage
+
+KEYS = ["a.txt", "a/b.jpg", "a-b/c.jpg", "b/x/y.png", "b/z.png", "c"]
+
+
+def test_parse_uri_splits_bucket_and_prefix():
+    loc = parse_uri("s3://my-bucket/some/prefix/")
+    assert (loc.scheme, loc.bucket, loc.path) == ("s3", "my-bucket", "some/prefix")
+    assert loc.uri == "s3://my-bucket/some/prefix"
+
+
+def test_parse_uri_makes_local_paths_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_uri("data/x").path == str(tmp_path / "data" / "x")
+    assert parse_uri(f"file://{tmp_path}").path == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "uri, words",
+    [
+        ("gs://bucket/x", "unsupported scheme"),
+        ("s3://AKIA:secret@bucket/x", "credentials in the URI"),
+        ("s3://Bad_Bucket/x", "not a valid bucket name"),
+        ("", "non-empty"),
+    ],
+)
+def test_parse_uri_rejects_bad_uris_with_one_line(uri, words):
+    with pytest.raises(ValueError, match=words) as info:
+        parse_uri(uri)
+    assert "secret" not in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def _put_local(root, keys):
+    for key in keys:
+        path = root.joinpath(*key.split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(key.encode())
+
+
+def test_local_listing_is_sorted_like_s3_and_skips_hidden_names(tmp_path):
+    _put_local(tmp_path, KEYS + [".DS_Store", "a/.hidden.jpg"])
+    keys = [k for page in LocalStore(str(tmp_path)).list_pages() for k in page]
+    assert keys == sorted(KEYS)  # "a-b/..." < "a.txt" < "a/..." in byte order
+
+
+def test_local_and_s3_listings_agree(tmp_path, s3_server, s3_bucket):
+    _put_local(tmp_path, KEYS)
+    client = s3_server.client()
+    for key in KEYS:
+        client.put_object(Bucket=s3_bucket, Key=f"root/{key}", Body=key.encode())
+    client.put_object(Bucket=s3_bucket, Key="root/dir-marker/", Body=b"")
+    settings = S3Settings(s3_server.endpoint_url, credentials=Credentials(s3_server.access_key, s3_server.secret_key))
+    s3_keys = [k for page in open_store(f"s3://{s3_bucket}/root", settings).list_pages() for k in page]
+    local_keys = [k for page in LocalStore(str(tmp_path)).list_pages() for k in page]
+    assert s3_keys == local_keys
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_listing_streams_in_pages(kind, tmp_path, s3_server, s3_bucket):
+    keys = [f"c/{i:03d}.jpg" for i in range(7)]
+    if kind == "local":
+        _put_local(tmp_path, keys)
+        store = LocalStore(str(tmp_path))
+    else:
+        client = s3_server.client()
+        for key in keys:
+            client.put_object(Bucket=s3_bucket, Key=key, Body=b"x")
+        settings = S3Settings(s3_server.endpoint_url, credentials=Credentials(s3_server.access_key, s3_server.secret_key))
+        store = open_store(f"s3://{s3_bucket}", settings)
+    pages = store.list_pages(page_size=3)
+    assert next(pages) == keys[:3]  # a generator: the first page arrives before the rest is listed
+    assert [len(p) for p in pages] == [3, 1]
+
+
+def test_local_write_is_atomic_and_leaves_no_temporary_file(tmp_path):
+    store = LocalStore(str(tmp_path))
+    store.write("d/obj.bin", b"old")
+    store.write("d/obj.bin", b"new")
+    assert (tmp_path / "d" / "obj.bin").read_bytes() == b"new"
+    assert os.listdir(tmp_path / "d") == ["obj.bin"]
+
+
+def test_local_keys_cannot_escape_the_root(tmp_path):
+    with pytest.raises(StorageError, match="escapes the storage root"):
+        LocalStore(str(tmp_path / "root")).read("../secret.txt")
+
+
+def test_s3_store_round_trips_bytes(s3_server, s3_bucket):
+    settings = S3Settings(s3_server.endpoint_url, credentials=Credentials(s3_server.access_key, s3_server.secret_key))
+    store = open_store(f"s3://{s3_bucket}/p", settings)
+    store.write("x/y.bin", b"payload")
+    assert store.exists("x/y.bin") and not store.exists("x/z.bin")
+    assert store.read("x/y.bin") == b"payload"
+    store.delete("x/y.bin")
+    assert not store.exists("x/y.bin")
+
+
+def test_settings_resolve_endpoint_and_credentials_from_the_environment(s3_env):
+    settings = S3Settings.resolve()
+    assert settings.endpoint_url == s3_env.endpoint_url
+    assert settings.credentials.secret_key == s3_env.secret_key
+    assert settings.public() == {"endpoint_url": s3_env.endpoint_url, "region": "us-east-1"}
+
+
+def test_settings_resolve_credentials_from_a_profile(s3_server, s3_bucket, tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        f"[ingest]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = {s3_server.secret_key}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_PROFILE", "ingest")
+    store = open_store(f"s3://{s3_bucket}", endpoint_url=s3_server.endpoint_url)
+    store.write("k", b"v")
+    assert store.read("k") == b"v"
+
+
+def test_secrets_stay_out_of_reprs_but_survive_pickling(s3_env):
+    settings = S3Settings.resolve()
+    assert s3_env.secret_key not in repr(settings)
+    assert s3_env.secret_key not in repr(settings.credentials)
+    store = open_store("s3://some-bucket/x", settings)
+    copy = pickle.loads(pickle.dumps(store))  # what a Ray worker receives
+    assert copy.settings.credentials.secret_key == s3_env.secret_key
+
+
+def _s3_error(s3_server, uri, **settings_kwargs):
+    kwargs = {"endpoint_url": s3_server.endpoint_url, "credentials": Credentials(s3_server.access_key, s3_server.secret_key)}
+    kwargs.update(settings_kwargs)
+    with pytest.raises(StorageError) as info:
+        open_store(uri, S3Settings(**kwargs)).check()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(uri)
+    return message
+
+
+def test_missing_bucket_is_one_line_naming_the_uri(s3_server):
+    assert "bucket does not exist" in _s3_error(s3_server, "s3://no-such-bucket/data")
+
+
+def test_wrong_endpoint_is_one_line_naming_the_uri(s3_server, s3_bucket):
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", endpoint_url=closed)
+    assert f"cannot connect to {closed}" in message
+
+
+def test_unknown_access_key_is_one_line_naming_the_uri(s3_server, s3_bucket):
+    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", credentials=Credentials("AKIAAAAAAAAAAAAAAAAA", "x" * 40))
+    assert "access key is not known" in message
+
+
+def test_wrong_secret_is_one_line_without_the_secret(s3_server, s3_bucket):
+    wrong = "wrong-secret-" + "y" * 27
+    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", credentials=Credentials(s3_server.access_key, wrong))
+    assert "signature does not match" in message and wrong not in message
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends
+
+
+def test_ray_storage_is_a_path_locally(tmp_path):
+    assert ray_storage(str(tmp_path / "runs")) == (str(tmp_path / "runs"), None)
+
+
+def test_ray_storage_gives_a_pyarrow_filesystem_that_can_write_to_s3(s3_env, s3_bucket):
+    path, fs = ray_storage(f"s3://{s3_bucket}/runs")
+    assert path == f"{s3_bucket}/runs"
+    # Multipart uploads (what Ray Train checkpoints use) must work against the test server.
+    pq.write_table(pa.table({"x": [1, 2, 3]}), f"{path}/t.parquet", filesystem=fs)
+    assert pq.read_table(f"{path}/t.parquet", filesystem=fs).column("x").to_pylist() == [1, 2, 3]
+
+
+def test_local_listing_survives_a_symlink_loop(tmp_path):
+    _put_local(tmp_path, ["a/x.jpg"])
+    (tmp_path / "a" / "loop").symlink_to(tmp_path)
+    assert [k for page in LocalStore(str(tmp_path)).list_pages() for k in page] == ["a/x.jpg"]
