@@ -54,7 +54,16 @@ for _name in PRESET_NAMES:
     register_model(_name, _vit_builder(_name))
 register_model("ResNet-50", lambda **overrides: resnet50(**overrides))
 
+# Families below register themselves with the registry above when imported.
+from vit.longformer import LongformerConfig, LongformerEncoder  # noqa: E402
+from vit.vtn import VTN, VTNConfig, create_vtn  # noqa: E402
+
 __all__ = [
+    "VTN",
+    "VTNConfig",
+    "LongformerConfig",
+    "LongformerEncoder",
+    "create_vtn",
     "ResNet",
     "ResNetConfig",
     "ResNetStemConfig",
