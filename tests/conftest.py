@@ -88,17 +88,24 @@ def ray_cluster() -> Iterator[RayCluster]:
 
     # Starting Ray on a busy 2-core machine can take longer than the default wait.
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+    # Train V2's placement-group cleaner finds the state API through RAY_API_SERVER_ADDRESS;
+    # with other Ray clusters on the machine its guess can be another cluster's, and
+    # finished trials' placement groups then leak. Pin it to this cluster's dashboard.
+    dashboard_port = _free_port()
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
     context = ray.init(
         address="local",  # always a fresh cluster, never one that `ray start` left running
         _node_ip_address="127.0.0.1",
         include_dashboard=True,
         dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
         num_cpus=4,
     )
     try:
         yield RayCluster(address=context.address_info["gcs_address"], dashboard_url=f"http://{context.dashboard_url}")
     finally:
         ray.shutdown()
+        os.environ.pop("RAY_API_SERVER_ADDRESS", None)
 
 
 @dataclass(frozen=True)
@@ -232,3 +239,7 @@ def tiny_dataset(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFacto
         val_fraction=0.2, test_fraction=0.1, shard_size=32,
     )
     return run_ingest(config).output
+
+
+# Session fixtures that live in their own modules; registered here so each starts once per session.
+from tests.mlflow_server import mlflow_server  # noqa: E402,F401

@@ -1,0 +1,381 @@
+"""The pretrain stage: supervised ViT pretraining, data-parallel on Ray Train, tracked in MLflow.
+
+The driver validates the config against the ingest manifest, opens the stage's
+single MLflow run, builds a `TorchTrainer` whose workers run
+`pipelines.train_loop.train_loop_per_worker`, and after training logs the final
+and best checkpoints, the model and a learning curve into the run.
+
+Running the same config again resumes: Ray Train finds the latest checkpoint
+under the same `(storage, run name)`, and the unfinished MLflow run tagged with
+the same config hash is reopened, so an execution stays one run however often
+its driver dies. A config whose run already finished is not trained again.
+
+    python -m pipelines.pretrain --config pretrain.yaml [--ray-address ADDR]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipelines import tracking
+from pipelines.stage_config import load_stage_config, stage_main
+from pipelines.errors import VitpipeError, find_vitpipe_error
+from pipelines.train_loop import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, train_loop_per_worker
+from pipelines.train_step import LoopSettings
+
+logger = logging.getLogger(__name__)
+STAGE = "pretrain"
+# Fields that say where to record or how to retry, not what is trained: they stay out of the run identity.
+_NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "ingest_run_id", "max_failures"}
+
+
+class TrainingDivergedError(VitpipeError):
+    """The loss or gradients became NaN/inf; the last good checkpoint is kept."""
+
+
+class PretrainConfig(BaseModel):
+    """Pretraining stage config; defaults follow the ViT paper's pretraining recipe."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(description="ingest output (local dir or s3://bucket/prefix) holding manifest.json")
+    model: str = "ViT-B/16"
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    num_workers: int = Field(2, gt=0)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None  # default: 1 CPU (or 1 GPU) per worker
+    torch_threads: int | None = Field(None, gt=0)  # default: the worker's CPU count
+    batch_size_per_worker: int = Field(64, gt=0)
+    global_batch_size: int | None = Field(None, gt=0)  # default: workers × per-worker batch (no accumulation)
+    steps: int = Field(gt=0)
+    warmup_steps: int = Field(10_000, ge=0)
+    schedule: Literal["linear", "cosine"] = "linear"  # the paper decays linearly when pretraining
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    augment: bool = True
+    shuffle_buffer: int = Field(0, ge=0)
+    eval_interval: int = Field(1000, ge=0)  # 0: only at the end
+    eval_batch_size: int | None = Field(None, gt=0)
+    checkpoint_interval: int = Field(1000, ge=0)  # 0: only at the end
+    keep_last: int = Field(2, gt=0)  # resumable checkpoints kept; the best model is kept besides
+    log_interval: int = Field(10, gt=0)
+    storage: str = "vitpipe-work/runs"  # local dir or s3://bucket/prefix
+    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// data and storage; credentials from the AWS chain
+    run_name: str | None = None  # default: pretrain-<config hash>
+    seed: int = 0
+    max_failures: int = Field(2, ge=-1)
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: str = "vitpipe"
+    parent_run_id: str | None = None
+    ingest_run_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PretrainConfig:
+        per_step = self.num_workers * self.batch_size_per_worker
+        if self.global_batch_size is not None and self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"num_workers × batch_size_per_worker = {per_step}"
+            )
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step that make up the global batch."""
+        per_step = self.num_workers * self.batch_size_per_worker
+        return (self.global_batch_size or per_step) // per_step
+
+
+class PretrainResult(BaseModel):
+    """What the stage hands to the next one."""
+
+    run_id: str
+    final_checkpoint: str  # runs:/<id>/checkpoints/final — a vit checkpoint dir
+    best_checkpoint: str  # runs:/<id>/checkpoints/best
+    model_uri: str | None  # the logged MLflow PyTorch model
+    storage_path: str  # the Ray Train run directory (resumable checkpoints)
+    metrics: dict[str, float]
+    resumed: bool = False  # True when training restarted from a checkpoint (worker group restart or rerun)
+    reused: bool = False  # True when the same config had already finished and nothing was trained
+
+
+def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: Any) -> PretrainConfig:
+    """A `PretrainConfig` from a YAML/JSON file or a dict, with one-line errors."""
+    return load_stage_config(PretrainConfig, "pretrain", source, overrides)
+
+
+# ---------------------------------------------------------------- driver pieces
+
+
+def model_overrides(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The model overrides completed from the ingest manifest, checked against it.
+
+    The class count comes from the data unless set; a ViT takes the data's image
+    size, and a plain ViT its patch size too (a hybrid's patch size is measured on
+    its stem's feature map, so its preset keeps it). The model must then read
+    exactly the stored patch sequences: same number of patches, same patch length.
+    """
+    import vit
+
+    out = dict(config.model_overrides)
+    out.setdefault("num_classes", int(manifest.get("num_classes") or len(manifest["classes"])))
+    derived: dict[str, Any] = {}
+    if vit.is_vit_name(config.model):  # other families (e.g. VTN) size their inputs their own way
+        derived["image_size"] = manifest["image_size"]
+        if not config.model.startswith("R50+"):
+            derived["patch_size"] = manifest["patch_size"]
+    for key, value in derived.items():
+        if key in out and out[key] != value:
+            raise ValueError(f"model_overrides.{key}={out[key]!r} does not match the ingest manifest ({value!r})")
+        out[key] = value
+    model_config = _model_config(config.model, out)
+    expected = (manifest["num_patches"], manifest["patch_dim"])
+    got = (getattr(model_config, "num_patches", None), getattr(model_config, "patch_dim", None))
+    if None not in got and got != tuple(expected):
+        raise ValueError(
+            f"model {config.model} reads {got[0]} patches of length {got[1]}, "
+            f"but the data holds {expected[0]} patches of length {expected[1]}"
+        )
+    return out
+
+
+def _model_config(name: str, overrides: dict[str, Any]) -> Any:
+    """The model's config without allocating its weights (bad names and fields raise ValueError)."""
+    import torch
+
+    import vit
+
+    if vit.is_vit_name(name):
+        return vit.preset_config(name, **overrides)
+    with torch.device("meta"):  # any registered family: build shapes only
+        return getattr(vit.create_model(name, **overrides), "config", None)
+
+
+def loop_settings(
+    config: PretrainConfig, overrides: dict[str, Any], has_val: bool, run_id: str | None, tracking_uri: str | None
+) -> LoopSettings:
+    """What every worker receives (no credentials: Ray exports it to its state API)."""
+    threads = config.torch_threads
+    if threads is None and not config.use_gpu:
+        threads = max(1, int((config.resources_per_worker or {}).get("CPU", 1)))
+    return LoopSettings(
+        model_name=config.model,
+        model_overrides=overrides,
+        steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        schedule=config.schedule,
+        lr=config.lr,
+        min_lr=config.min_lr,
+        weight_decay=config.weight_decay,
+        betas=config.betas,
+        clip_grad_norm=config.clip_grad_norm,
+        label_smoothing=config.label_smoothing,
+        precision=config.precision,
+        batch_size_per_worker=config.batch_size_per_worker,
+        grad_accum_steps=config.grad_accum_steps,
+        eval_interval=config.eval_interval,
+        eval_batch_size=config.eval_batch_size,
+        checkpoint_interval=config.checkpoint_interval,
+        log_interval=config.log_interval,
+        shuffle_buffer=config.shuffle_buffer,
+        torch_threads=threads,
+        seed=config.seed,
+        val_dataset="val" if has_val else None,
+        mlflow_run_id=run_id,
+        tracking_uri=tracking_uri,
+    )
+
+
+def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config (plus the data's content hash) that decides what is trained."""
+    tree = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
+    tree["data_content_hash"] = manifest.get("content_hash")
+    return tree
+
+
+def storage_location(config: PretrainConfig) -> tuple[str, Any]:
+    """`(storage_path, storage_filesystem)` for Ray Train's RunConfig."""
+    from pipelines import storage
+
+    return storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
+
+
+def build_trainer(config: PretrainConfig, settings: LoopSettings, run_name: str) -> Any:
+    """The `TorchTrainer` of this stage: datasets, scaling, storage, failure and checkpoint policy."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.data import patch_dataset
+
+    # seed=None: fresh crops on every pass over the data (a fixed seed would repeat epoch 0's crops).
+    datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, endpoint_url=config.endpoint_url)}
+    if settings.val_dataset:
+        datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
+    storage_path, filesystem = storage_location(config)
+    resources = config.resources_per_worker or ({"CPU": 1, "GPU": 1} if config.use_gpu else {"CPU": 1})
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=settings.model_dump(mode="json"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=config.num_workers, use_gpu=config.use_gpu, resources_per_worker=resources
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            failure_config=ray.train.FailureConfig(max_failures=config.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.keep_last),
+        ),
+        datasets=datasets,
+    )
+
+
+def _log_outputs(client: Any, tracking_uri: str, run_id: str, result: Any) -> str | None:
+    """Log the final and best checkpoints, the learning curve and the model; returns the model URI."""
+    import pyarrow.fs as pafs
+
+    import vit
+
+    with result.checkpoint.as_directory() as final_dir:
+        tracking.log_checkpoint_dir(client, run_id, final_dir, "checkpoints/final")
+        model = vit.load_checkpoint(final_dir)
+    best_path = f"{result.path}/{BEST_DIR}"
+    with tempfile.TemporaryDirectory() as tmp:
+        if result.filesystem.get_file_info(best_path).type == pafs.FileType.Directory:
+            pafs.copy_files(best_path, tmp, source_filesystem=result.filesystem)
+            tracking.log_checkpoint_dir(client, run_id, tmp, "checkpoints/best")
+            client.log_artifact(run_id, str(Path(tmp, BEST_INFO_FILE)), "checkpoints/best")
+        else:  # no validation split: the final model is the best one known
+            with result.checkpoint.as_directory() as final_dir:
+                tracking.log_checkpoint_dir(client, run_id, final_dir, "checkpoints/best")
+    tracking.log_learning_curve(client, run_id)
+    return tracking.log_torch_model(tracking_uri, run_id, model)
+
+
+def _read_diverged(result: Any) -> dict[str, Any] | None:
+    """The divergence note the workers left in the run dir, or None."""
+    import pyarrow.fs as pafs
+
+    path = f"{result.path}/{DIVERGED_FILE}"
+    if result.filesystem.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with result.filesystem.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+def _clear_diverged(storage_path: str, filesystem: Any, run_name: str) -> None:
+    """Remove a divergence note left by an earlier execution of this run (it is judged afresh)."""
+    import pyarrow.fs as pafs
+
+    fs = filesystem or pafs.LocalFileSystem()
+    path = f"{storage_path}/{run_name}/{DIVERGED_FILE}"
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)
+
+
+def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
+    run = client.get_run(run_id)
+    return PretrainResult(
+        run_id=run_id,
+        final_checkpoint=f"runs:/{run_id}/checkpoints/final",
+        best_checkpoint=f"runs:/{run_id}/checkpoints/best",
+        model_uri=run.data.tags.get("vitpipe.model_uri"),
+        storage_path=run.data.tags.get("vitpipe.storage_path", ""),
+        metrics=dict(run.data.metrics),
+        resumed="vitpipe.resumed_from_step" in run.data.tags,
+        reused=reused,
+    )
+
+
+def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> PretrainResult:
+    """Run (or resume) the pretrain stage; returns the MLflow run and checkpoint URIs.
+
+    Raises `TrainingDivergedError` when the loss goes NaN/inf and `VitpipeError`
+    when training fails beyond `max_failures` restarts.
+    """
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.data import read_manifest
+
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    overrides = model_overrides(config, manifest)
+    has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
+    digest = tracking.config_hash(run_identity(config, manifest))
+    run_name = config.run_name or f"{STAGE}-{digest[:12]}"
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    client = MlflowClient(tracking_uri)
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+    tags = {
+        "vitpipe.data_uri": tracking.strip_userinfo(config.data),
+        "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
+        **({"vitpipe.ingest_run_id": config.ingest_run_id} if config.ingest_run_id else {}),
+        **tracking.system_info(config.num_workers, config.use_gpu),
+    }
+    run_id, previous = tracking.start_stage_run(
+        client, config.experiment, STAGE, digest, run_name=run_name, parent_run_id=config.parent_run_id, tags=tags
+    )
+    if previous == "FINISHED":
+        logger.info("pretrain: run %s already finished with this config; not training again", run_id)
+        return _result_from_run(client, run_id, reused=True)
+    if previous:
+        logger.info("pretrain: resuming run %s (was %s)", run_id, previous)
+
+    settings = loop_settings(config, overrides, has_val, run_id, tracking_uri)
+    resolved = {**config.model_dump(mode="json"), "model_overrides": overrides, "grad_accum_steps": config.grad_accum_steps}
+    tracking.log_params(client, run_id, resolved)
+    tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")
+    ok = False
+    try:
+        trainer = build_trainer(config, settings, run_name)
+        _clear_diverged(*storage_location(config), run_name)
+        try:
+            result = trainer.fit()
+        except Exception as err:  # Ray wraps worker errors; give the user one line
+            known = find_vitpipe_error(err)
+            if known is not None:
+                raise known from err
+            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            raise VitpipeError(f"pretrain: training failed (max_failures={config.max_failures}): {first}") from err
+        tracking.set_tags(client, run_id, {"vitpipe.storage_path": str(result.path)})
+        diverged = _read_diverged(result)
+        if diverged is not None:
+            last = result.checkpoint.path if result.checkpoint else "none (it diverged before the first checkpoint)"
+            raise TrainingDivergedError(
+                f"pretrain stopped: loss/gradients became non-finite at step {diverged['step']}; "
+                f"the last good checkpoint is kept: {last}"
+            )
+        model_uri = _log_outputs(client, tracking_uri, run_id, result)
+        tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
+        ok = True
+    finally:
+        tracking.end_run(client, run_id, ok)
+    return _result_from_run(client, run_id, reused=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.pretrain --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    return stage_main("pretrain", load_config, run_pretrain, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""How every stage reads its config: a YAML/JSON file or a dict, `--set KEY=VALUE`
+overrides, validation at the edge, and one-line errors naming the stage and field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pipelines.errors import VitpipeError
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`["lr=0.1", "model=ViT-S/16"]` -> `{"lr": 0.1, "model": "ViT-S/16"}` (values parsed as JSON when they can be)."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def load_stage_config(
+    model: type[ConfigT], stage: str, source: str | os.PathLike[str] | dict[str, Any], overrides: dict[str, Any]
+) -> ConfigT:
+    """Validate `source` (a file path or a dict) plus `overrides` as `model`; errors are one line."""
+    if isinstance(source, dict):
+        data = dict(source)
+    else:
+        import yaml
+
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"{stage} config {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{stage} config {path} must be a mapping, got {type(data).__name__}")
+    data.update(overrides)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if not where or message.startswith(where):  # the validator already named the field
+            raise ValueError(f"{stage} config: {message}") from None
+        raise ValueError(f"{stage} config: {where}: {message}") from None
+
+
+def stage_main(
+    stage: str,
+    load: Callable[..., BaseModel],
+    run: Callable[..., BaseModel],
+    argv: list[str] | None = None,
+    *,
+    takes_ray_address: bool = True,
+) -> int:
+    """`python -m pipelines.<stage> --config FILE [--ray-address A] [--set KEY=VALUE]...`: prints the result JSON."""
+    parser = argparse.ArgumentParser(prog=f"python -m pipelines.{stage}")
+    parser.add_argument("--config", required=True, help=f"YAML/JSON {stage} config")
+    if takes_ray_address:
+        parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or a local one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        config = load(args.config, **parse_overrides(args.set))
+        result = run(config, ray_address=args.ray_address) if takes_ray_address else run(config)
+    except (ValueError, VitpipeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(result.model_dump_json())
+    return 0

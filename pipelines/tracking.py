@@ -1,0 +1,307 @@
+"""MLflow helpers shared by the stages.
+
+One MLflow run per stage execution: the driver creates (or, on a resumed
+execution, reopens) the run, and only rank 0 of the training workers logs into
+it by run id. Everything here talks to MLflow through an explicit tracking URI
+and `MlflowClient`, not the fluent global run, so a worker can never end or
+create a run by accident. The one exception is `log_torch_model` (MLflow offers
+model logging only through the fluent API), which only the driver calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import mlflow
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.tracking import MlflowClient
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+TAG_STAGE = "vitpipe.stage"
+TAG_CONFIG_HASH = "vitpipe.config_hash"
+TAG_PARENT = "mlflow.parentRunId"
+
+# Keys whose values are credentials, wherever they sit in a config tree.
+_SECRET_KEY = re.compile(r"(secret|password|passwd|token|credential|access_key|session_key|api_key)", re.I)
+# MLflow limits a param value to 6000 characters; longer values are cut, not rejected.
+_MAX_PARAM_LEN = 6000
+# log_batch accepts at most 1000 metrics / 100 params per call.
+_METRIC_BATCH = 1000
+_PARAM_BATCH = 100
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The tracking URI a stage uses: the config's, else `MLFLOW_TRACKING_URI`, else a local SQLite store.
+
+    A relative SQLite path is made absolute: Ray workers run in other directories.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        return prefix + os.path.abspath(uri[len(prefix):])
+    return uri
+
+
+def strip_userinfo(uri: str) -> str:
+    """Drop `user:password@` from a URI so it can be logged."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def redact(value: Any) -> Any:
+    """A copy of a config tree with credential-named keys removed and URI userinfo stripped."""
+    if isinstance(value, Mapping):
+        return {k: redact(v) for k, v in value.items() if not _SECRET_KEY.search(str(k))}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str) and "://" in value:
+        return strip_userinfo(value)
+    return value
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into `a.b.c -> str(value)` pairs for MLflow params."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+            out[name] = text[:_MAX_PARAM_LEN]
+    return out
+
+
+def config_hash(tree: Mapping[str, Any]) -> str:
+    """A stable SHA-256 of a JSON-able config tree (key order does not matter)."""
+    blob = json.dumps(tree, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def system_info(num_workers: int, use_gpu: bool) -> dict[str, str]:
+    """Tags describing where a stage ran: workers, devices and library versions."""
+    import ray
+    import torch
+
+    tags = {
+        "vitpipe.num_workers": str(num_workers),
+        "vitpipe.use_gpu": str(use_gpu).lower(),
+        "vitpipe.ray_version": ray.__version__,
+        "vitpipe.torch_version": torch.__version__,
+        "vitpipe.mlflow_version": mlflow.__version__,
+        "vitpipe.python_version": platform.python_version(),
+        "vitpipe.driver_host": platform.node(),
+    }
+    if ray.is_initialized():
+        resources = ray.cluster_resources()
+        tags["vitpipe.cluster_cpus"] = str(int(resources.get("CPU", 0)))
+        tags["vitpipe.cluster_gpus"] = str(int(resources.get("GPU", 0)))
+        tags["vitpipe.cluster_nodes"] = str(len([n for n in ray.nodes() if n.get("Alive")]))
+    return tags
+
+
+def get_or_create_experiment(client: MlflowClient, name: str) -> str:
+    """The id of the named experiment, created if missing."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage != "active":
+            raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or choose another name")
+        return experiment.experiment_id
+    return client.create_experiment(name)
+
+
+def find_stage_run(client: MlflowClient, experiment_id: str, stage: str, digest: str) -> Any | None:
+    """The newest run of `stage` tagged with `digest`, or None."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CONFIG_HASH}` = '{digest}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0] if runs else None
+
+
+def start_stage_run(
+    client: MlflowClient,
+    experiment: str,
+    stage: str,
+    digest: str,
+    *,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
+    """Open the run of one stage execution; returns `(run_id, previous_status)`.
+
+    A run tagged with the same stage and config digest that did not finish is
+    reopened (a resumed execution stays one run); `previous_status` is then its
+    old status ("RUNNING", "FAILED", "KILLED"), "FINISHED" for a finished run that
+    is returned untouched, or "" for a new run.
+    """
+    experiment_id = get_or_create_experiment(client, experiment)
+    previous = find_stage_run(client, experiment_id, stage, digest)
+    if previous is not None:
+        status = previous.info.status
+        if status != "FINISHED":
+            client.update_run(previous.info.run_id, status="RUNNING")
+        return previous.info.run_id, status
+    all_tags = {TAG_STAGE: stage, TAG_CONFIG_HASH: digest, **(tags or {})}
+    if parent_run_id:
+        all_tags[TAG_PARENT] = parent_run_id
+    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+    return run.info.run_id, ""
+
+
+def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> None:
+    """Log a config tree as flattened params, credentials removed.
+
+    Re-logging the same values on a resumed run is accepted by MLflow; a
+    changed value would raise, which is right: a resumed run must keep its config.
+    """
+    params = [Param(k, v) for k, v in sorted(flatten(redact(config)).items())]
+    existing = client.get_run(run_id).data.params
+    params = [p for p in params if p.key not in existing]
+    for i in range(0, len(params), _PARAM_BATCH):
+        client.log_batch(run_id, params=params[i : i + _PARAM_BATCH])
+
+
+def set_tags(client: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
+    """Set several tags in one call."""
+    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+def log_dict_artifact(client: MlflowClient, run_id: str, data: Mapping[str, Any], artifact_file: str) -> None:
+    """Log a JSON/YAML document (chosen by extension), credentials removed."""
+    client.log_dict(run_id, redact(data), artifact_file)
+
+
+class MetricBuffer:
+    """Collects step metrics and sends them to MLflow in batches.
+
+    One HTTP/database round trip per training step would cost more than a tiny
+    model's step, so rank 0 buffers and flushes every few steps.
+    """
+
+    def __init__(self, client: MlflowClient, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self._pending: list[Metric] = []
+
+    def add(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        """Queue `metrics` for `step`."""
+        import time
+
+        ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
+        self._pending.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
+
+    def flush(self) -> None:
+        """Send everything queued."""
+        while self._pending:
+            chunk, self._pending = self._pending[:_METRIC_BATCH], self._pending[_METRIC_BATCH:]
+            self.client.log_batch(self.run_id, metrics=chunk)
+
+
+def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:
+    """Mark the stage run FINISHED or FAILED."""
+    status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+    client.set_terminated(run_id, status=status)
+
+
+def log_learning_curve(
+    client: MlflowClient,
+    run_id: str,
+    keys: Sequence[str] = ("train_loss", "val_loss", "val_top1"),
+    artifact_file: str = "learning_curve.png",
+) -> bool:
+    """Plot the run's logged metric histories into a PNG artifact; False when none were logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: drivers run on servers without displays
+    import matplotlib.pyplot as plt
+
+    histories = {k: sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp)) for k in keys}
+    histories = {k: v for k, v in histories.items() if v}
+    if not histories:
+        return False
+    loss_keys = [k for k in histories if "loss" in k]
+    other_keys = [k for k in histories if k not in loss_keys]
+    ncols = 1 + bool(other_keys)
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4), squeeze=False)
+    for ax, group in zip(axes[0], [loss_keys, other_keys]):
+        for key in group:
+            # A resumed run re-logs the steps after its checkpoint; keep the latest value per step.
+            by_step = {m.step: m.value for m in histories[key]}
+            ax.plot(list(by_step), list(by_step.values()), label=key, marker="." if len(by_step) < 30 else None)
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    client.log_figure(run_id, fig, artifact_file)
+    plt.close(fig)
+    return True
+
+
+def log_checkpoint_dir(client: MlflowClient, run_id: str, local_dir: str | Path, artifact_path: str) -> None:
+    """Log a `vit.save_checkpoint` directory (weights + config only) under `artifact_path`."""
+    local_dir = Path(local_dir)
+    files = [p for p in local_dir.iterdir() if p.name in ("model.safetensors", "config.json")]
+    if not files:
+        raise ValueError(f"checkpoint directory {local_dir} holds no model.safetensors/config.json")
+    for path in files:
+        client.log_artifact(run_id, str(path), artifact_path)
+
+
+def log_torch_model(tracking_uri: str, run_id: str, model: Any, name: str = "model") -> str:
+    """Log `model` as an MLflow PyTorch model in the run; returns its model URI."""
+    import torch
+
+    # Explicit requirements: inferring them imports and runs the model in a subprocess, slow and fragile.
+    requirements = [f"torch=={torch.__version__.split('+')[0]}", "vitpipe", "safetensors"]
+    with _tracking_uri(tracking_uri), mlflow.start_run(run_id=run_id):
+        # Pickle, not MLflow's default traced "pt2": tracing needs an input example and fails on dynamic grids.
+        info = mlflow.pytorch.log_model(
+            model, name=name, pip_requirements=requirements, serialization_format="pickle"
+        )
+    # start_run(run_id=...) ends the run on exit; the caller sets the final status after.
+    return info.model_uri
+
+
+@contextmanager
+def _tracking_uri(uri: str | None) -> Iterator[None]:
+    """Point MLflow's fluent API at `uri` for a block, then back (it is process-global)."""
+    if not uri:
+        yield
+        return
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+def load_model_from_run(uri: str, tracking_uri: str | None = None) -> Any:
+    """Load a ViT from a logged checkpoint directory, e.g. `runs:/<run_id>/checkpoints/final`."""
+    import vit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp, tracking_uri=tracking_uri)
+        if not (Path(local) / "model.safetensors").exists():
+            raise ValueError(f"{uri} is not a vit checkpoint directory (no model.safetensors)")
+        return vit.load_checkpoint(local)
