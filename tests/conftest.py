@@ -243,3 +243,4 @@ def tiny_dataset(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFacto
 
 # Session fixtures that live in their own modules; registered here so each starts once per session.
 from tests.mlflow_server import mlflow_server  # noqa: E402,F401
+from tests.transfer_fixtures import digits_data, digits_export, pretrained  # noqa: E402,F401

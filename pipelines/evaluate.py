@@ -1,0 +1,293 @@
+"""The evaluate stage: few-shot linear evaluation of a pretrained ViT (paper §4, "few-shot accuracy").
+
+The cheap probe of a representation: freeze the model, take its pooled
+features, and for k images per class (k = 1, 5, 10, 25) fit a ridge regression
+to {-1, 1} one-hot targets in closed form; accuracy is that of the argmax on
+the query split. Each k is repeated over several random support sets.
+
+Features are computed on the driver in plain PyTorch (no Ray): only the sampled
+support images and the query split are read. The stage is one MLflow run that
+logs the table, a metric per k, and tags linking the run that produced the
+weights and the data manifest.
+
+    python -m pipelines.evaluate --config evaluate.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import logging
+import sys
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipelines import tracking
+from pipelines.stage_config import load_stage_config, stage_main
+from pipelines.errors import VitpipeError
+
+logger = logging.getLogger(__name__)
+STAGE = "evaluate"
+_NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "batch_size"}
+
+
+class EvaluateConfig(BaseModel):
+    """Few-shot linear evaluation config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(description="ingest output of the target dataset")
+    init: str | None = Field(description="weights to evaluate: a pretrain run id, runs:/, models:/, a checkpoint, a timm/HF file")
+    model: str | None = None  # architecture (checked against the checkpoint; required for timm/HF files)
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    shots: list[int] = Field(default_factory=lambda: [1, 5, 10, 25])
+    repeats: int = Field(3, gt=0)  # random support sets per k
+    l2_reg: float = Field(0.01, gt=0)  # ridge strength, relative to the support features' mean squared norm
+    resolution: int | None = Field(None, gt=0)  # default: the model's own (pretraining) resolution
+    support_split: Literal["train", "val"] = "train"
+    query_split: Literal["test", "val"] = "test"
+    batch_size: int = Field(256, gt=0)
+    seed: int = 0
+    endpoint_url: str | None = None
+    tracking_uri: str | None = None
+    experiment: str = "vitpipe"
+    run_name: str | None = None
+    parent_run_id: str | None = None
+
+    @field_validator("shots")
+    @classmethod
+    def _shots(cls, value: list[int]) -> list[int]:
+        if not value:
+            raise ValueError("shots is empty")
+        bad = [k for k in value if k < 1]
+        if bad:
+            raise ValueError(f"shots must be positive, got {bad[0]}")
+        return sorted(set(value))
+
+
+class EvaluateResult(BaseModel):
+    """Few-shot top-1 per k (mean and standard deviation over the repeats)."""
+
+    run_id: str
+    accuracy: dict[int, float]
+    std: dict[int, float]
+    chance: float
+    reused: bool = False
+
+
+# ---------------------------------------------------------------- the probe
+
+
+def ridge_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: int, l2_reg: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Closed-form ridge regression of {-1, 1} one-hot targets on centred features; returns `(W, b)`.
+
+    Solved in whichever of the primal (d×d) or dual (n×n) forms is smaller, in
+    float64. `l2_reg` is scaled by the features' mean squared norm, so one value
+    fits models of any width and feature scale.
+    """
+    x = features.double()
+    mean = x.mean(0, keepdim=True)
+    x = x - mean
+    y = -torch.ones(len(labels), num_classes, dtype=torch.float64)
+    y[torch.arange(len(labels)), labels] = 1.0
+    n, d = x.shape
+    lam = l2_reg * float((x * x).sum(1).mean().clamp_min(1e-12))
+    if d <= n:
+        w = torch.linalg.solve(x.T @ x + lam * torch.eye(d, dtype=x.dtype), x.T @ y)
+    else:
+        w = x.T @ torch.linalg.solve(x @ x.T + lam * torch.eye(n, dtype=x.dtype), y)
+    b = y.mean(0) - (mean @ w).squeeze(0)
+    return w, b
+
+
+def few_shot_accuracy(support: tuple[torch.Tensor, torch.Tensor], query: tuple[torch.Tensor, torch.Tensor],
+                      num_classes: int, l2_reg: float) -> float:
+    """Top-1 on `query` of the ridge probe fitted on `support` (each a `(features, labels)` pair)."""
+    w, b = ridge_fit(support[0], support[1], num_classes, l2_reg)
+    predicted = (query[0].double() @ w + b).argmax(-1)
+    return float((predicted == query[1]).double().mean())
+
+
+def sample_support(labels: np.ndarray, shots: int, rng: np.random.Generator, class_names: list[str]) -> np.ndarray:
+    """Indices of `shots` random images of every class; a ValueError names a class with too few."""
+    chosen = []
+    for c in range(len(class_names)):
+        idx = np.flatnonzero(labels == c)
+        if len(idx) < shots:
+            raise ValueError(f"shots: {shots}-shot needs {shots} support images of every class; class {class_names[c]!r} has {len(idx)}")
+        chosen.append(rng.choice(idx, size=shots, replace=False))
+    return np.concatenate(chosen)
+
+
+@torch.no_grad()
+def embed(model: torch.nn.Module, patches: np.ndarray, batch_size: int) -> torch.Tensor:
+    """Pooled features of patch sequences, in batches, on the CPU."""
+    model.eval()
+    out = [model.pooled_features(torch.from_numpy(patches[i : i + batch_size])) for i in range(0, len(patches), batch_size)]
+    return torch.cat(out).float() if out else torch.zeros(0)
+
+
+def _support_pool(data: Any, split: str) -> tuple[list[str], np.ndarray]:
+    """Keys and labels of a split, in key order (labels only: no pixels are read here)."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    from pipelines.storage import open_store
+
+    store = open_store(data.uri, data.settings)
+    tables = []
+    for entry in data.manifest["shards"]:
+        if entry.get("split", {}).get(split, 0) > 0:
+            fs, path = store.arrow(entry["path"])
+            tables.append(pq.read_table(path, filesystem=fs, columns=["key", "label"], filters=pads.field("split") == split))
+    if not tables:
+        raise VitpipeError(f"{data.uri}: split {split!r} has no images")
+    table = pa.concat_tables(tables).sort_by("key")
+    return table.column("key").to_pylist(), table.column("label").to_numpy().astype(np.int64)
+
+
+def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Decoded rows of `keys` (in that order) from `split`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    from pipelines.finetune_data import decode_batch
+    from pipelines.storage import open_store
+
+    store = open_store(data.uri, data.settings)
+    wanted = set(keys)
+    found: dict[str, tuple[np.ndarray, int]] = {}
+    for entry in data.manifest["shards"]:
+        if entry.get("split", {}).get(split, 0) <= 0:
+            continue
+        fs, path = store.arrow(entry["path"])
+        table = pq.read_table(path, filesystem=fs, columns=["patches", "label", "key"], filters=pads.field("split") == split)
+        table = table.filter(pc.is_in(table.column("key"), value_set=pa.array(sorted(wanted))))
+        if table.num_rows:
+            rows = decode_batch(table, manifest=data.manifest, keep="all", holdout=0.0, size=size, aug=None)
+            for key, patches, label in zip(table.column("key").to_pylist(), rows["patches"], rows["label"]):
+                found[key] = (patches, int(label))
+    return np.stack([found[k][0] for k in keys]), np.array([found[k][1] for k in keys], dtype=np.int64)
+
+
+def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
+    """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
+    from pipelines.finetune_data import iter_rows
+    from pipelines.finetune_results import class_names
+
+    names = class_names(data.manifest)
+    for split in {config.query_split, config.support_split}:
+        if int(data.manifest.get("counts", {}).get(split, 0)) == 0:
+            raise ValueError(f"{data.uri} has no {split!r} split to use as the {'query' if split == config.query_split else 'support'} set")
+    query_parts = [(embed(model, b["patches"], config.batch_size), torch.from_numpy(b["label"]))
+                   for b in iter_rows(data, config.query_split, size=size, batch_size=config.batch_size)]
+    if not query_parts:
+        raise VitpipeError(f"{data.uri}: split {config.query_split!r} has no images")
+    query = (torch.cat([q[0] for q in query_parts]), torch.cat([q[1] for q in query_parts]))
+    keys, labels = _support_pool(data, config.support_split)
+    rng = np.random.default_rng(config.seed)
+    plans = {k: [sample_support(labels, k, rng, names) for _ in range(config.repeats)] for k in config.shots}
+    needed = sorted({keys[i] for picks in plans.values() for idx in picks for i in idx})
+    patches, _ = _rows_for_keys(data, config.support_split, needed, size)
+    features = dict(zip(needed, embed(model, patches, config.batch_size)))
+    table: dict[int, list[float]] = {}
+    for k, picks in plans.items():
+        table[k] = []
+        for idx in picks:
+            support = (torch.stack([features[keys[i]] for i in idx]), torch.from_numpy(labels[idx]))
+            table[k].append(few_shot_accuracy(support, query, len(names), config.l2_reg))
+    return table
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: Any) -> EvaluateConfig:
+    """A `EvaluateConfig` from a YAML/JSON file or a dict, with one-line errors."""
+    return load_stage_config(EvaluateConfig, "evaluate", source, overrides)
+
+
+def _result_from_run(client: Any, run_id: str, reused: bool) -> EvaluateResult:
+    metrics = client.get_run(run_id).data.metrics
+    shots = sorted(int(k.split("_")[1].removesuffix("shot")) for k in metrics if k.startswith("fewshot_") and k.endswith("shot_top1"))
+    return EvaluateResult(
+        run_id=run_id, accuracy={k: metrics[f"fewshot_{k}shot_top1"] for k in shots},
+        std={k: metrics.get(f"fewshot_{k}shot_top1_std", 0.0) for k in shots}, chance=metrics.get("chance_top1", 0.0),
+        reused=reused,
+    )
+
+
+def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
+    """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.data import read_manifest
+    from pipelines.finetune_data import DataSpec
+    from pipelines.finetune_trial import at_resolution
+    from pipelines.starting_weights import fetch_starting_weights, init_kind
+    from pipelines.storage import S3Settings
+
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    client = MlflowClient(tracking_uri)
+    overrides = dict(config.model_overrides)
+    if init_kind(config.init) in ("scratch", "foreign"):
+        overrides.setdefault("image_size", manifest["image_size"])
+    start = fetch_starting_weights(config.init, model_name=config.model, model_overrides=overrides,
+                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url)
+    base = start.model
+    if base.config.pixel_patch_size != manifest["patch_size"] or base.config.patch_dim != manifest["patch_dim"]:
+        raise ValueError(f"model reads {base.config.pixel_patch_size}-pixel patches, but {config.data} holds {manifest['patch_size']}-pixel patches")
+    size = config.resolution or base.config.image_hw[0]
+    if size % manifest["patch_size"]:
+        raise ValueError(f"resolution {size} is not a multiple of the patch size {manifest['patch_size']}")
+    identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
+    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id, resolution=size)
+    digest = tracking.config_hash(identity)
+    tags = {
+        "vitpipe.data_uri": tracking.strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
+        "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),
+    }
+    run_id, previous = tracking.start_stage_run(client, config.experiment, STAGE, digest,
+                                                run_name=config.run_name or f"{STAGE}-{digest[:12]}",
+                                                parent_run_id=config.parent_run_id, tags=tags)
+    if previous == "FINISHED":
+        return _result_from_run(client, run_id, reused=True)
+    ok = False
+    try:
+        tracking.log_params(client, run_id, {**config.model_dump(mode="json"), "resolution": size})
+        settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
+        data = DataSpec(config.data, manifest, settings)
+        model = at_resolution(base, size, 0)
+        table = few_shot_table(model, data, config, size)
+        chance = 1.0 / len(manifest["classes"])
+        metrics = {"chance_top1": chance}
+        for k, accs in table.items():
+            metrics[f"fewshot_{k}shot_top1"] = float(np.mean(accs))
+            metrics[f"fewshot_{k}shot_top1_std"] = float(np.std(accs))
+        buffer = tracking.MetricBuffer(client, run_id)
+        buffer.add(metrics, 0)
+        buffer.flush()
+        client.log_table(run_id, {
+            "shots": list(table), "top1_mean": [float(np.mean(v)) for v in table.values()],
+            "top1_std": [float(np.std(v)) for v in table.values()], "repeats": [len(v) for v in table.values()],
+        }, "fewshot_table.json")
+        logger.info("evaluate: %s", ", ".join(f"{k}-shot {np.mean(v):.3f}" for k, v in table.items()))
+        ok = True
+    finally:
+        tracking.end_run(client, run_id, ok)
+    return _result_from_run(client, run_id, reused=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.evaluate --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    return stage_main("evaluate", load_config, run_evaluate, argv, takes_ray_address=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""The transfer stage: fine-tune a pretrained ViT on a small task with a Ray Tune sweep.
+
+The driver fetches the starting weights (see `pipelines.starting_weights`),
+checks them against the data, stages them in the storage, opens the stage's
+MLflow run and runs the sweep: each trial a Ray Train run (see
+`pipelines.finetune_trial`) logging into a nested child run. Afterwards the best
+trial (by `metric`/`mode`) is evaluated on the test split, logged with the sweep
+and confusion-matrix figures, and registered in the MLflow Model Registry with
+tags linking it to its pretrain run and data manifest.
+
+Defaults follow the paper's fine-tuning recipe (§3.2, App. B.1.1): SGD with
+momentum 0.9, no weight decay, cosine decay, gradient clipping at norm 1, batch
+512 (smaller when the data is small), a zero-initialised head.
+
+Running the same config again resumes: an interrupted sweep is restored with
+`Tuner.restore` (finished trials are not rerun; unfinished ones continue from
+their last checkpoint) inside the same MLflow run; a finished one is returned.
+
+    python -m pipelines.finetune --config finetune.yaml [--ray-address ADDR]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipelines import tracking
+from pipelines.stage_config import load_stage_config, stage_main
+from pipelines.finetune_results import report_sweep
+from pipelines.search_space import SearchSpace, Searcher, build_search_alg
+
+logger = logging.getLogger(__name__)
+STAGE = "finetune"
+METRICS = {"val_top1": "max", "val_loss": "min", "train_loss": "min"}
+TAG_PRETRAIN_RUN = "vitpipe.pretrain_run_id"
+TAG_MANIFEST = "vitpipe.manifest_hash"
+# Fields that say where to record, how fast or how to retry, not what is trained: out of the run identity.
+_NOT_IDENTITY = {
+    "tracking_uri", "experiment", "parent_run_id", "max_concurrent_trials", "max_failures", "ray_data_cpus",
+    "trial_driver_cpus", "train_data", "memory_limit_mb", "keep_checkpoints", "torch_threads",
+}
+_DEFAULT_SPACE = {"lr": {"grid": [0.001, 0.003, 0.01, 0.03]}, "steps": 500}
+
+
+class FinetuneConfig(BaseModel):
+    """Fine-tuning stage config; defaults follow the ViT paper's fine-tuning recipe."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(description="ingest output (local dir or s3://bucket/prefix) of the target task")
+    init: str | None = None  # starting weights; see pipelines.starting_weights (None: from scratch)
+    model: str | None = None  # architecture; required from scratch and for timm/HF files, checked otherwise
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    freeze_backbone: bool = False  # True: linear probe (head only)
+    # The recipe.
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    schedule: Literal["cosine", "linear"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    batch_size: int | None = Field(None, gt=0)  # global; default: 512, or less for small data
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    hflip: bool = True  # with augmentation (aug_strength > 0)
+    holdout_fraction: float = Field(0.1, gt=0, lt=1)  # minival taken from train when the data has no val split
+    train_data: Literal["auto", "memory", "stream"] = "auto"  # auto: in memory up to memory_limit_mb, else Ray Data
+    memory_limit_mb: int = Field(512, ge=0)  # raw (uint8) training rows a trial may hold in the object store
+    eval_interval: int = Field(100, gt=0)  # steps between evaluations (and Tune reports)
+    checkpoint_interval: int | None = Field(None, gt=0)  # default: every evaluation
+    log_interval: int = Field(10, gt=0)
+    # The sweep.
+    search_space: dict[str, Any] = Field(default_factory=lambda: dict(_DEFAULT_SPACE))
+    searcher: Searcher = "grid"
+    scheduler: Literal["asha", "pbt", "fifo"] = "asha"
+    grace_period: int | None = Field(None, gt=0)  # ASHA: steps before a trial can be stopped (default: eval_interval)
+    reduction_factor: float = Field(2.0, gt=1)  # ASHA
+    perturbation_interval: int | None = Field(None, gt=0)  # PBT: steps between exploits (default: eval_interval)
+    num_samples: int = Field(1, gt=0)
+    max_concurrent_trials: int | None = Field(None, gt=0)  # default: as many as the cluster holds
+    metric: str = "val_top1"
+    mode: Literal["max", "min"] | None = None  # default: the metric's natural direction
+    # Resources, per trial.
+    num_workers: int = Field(1, gt=0)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None  # default: 1 CPU (or 1 GPU) per worker
+    trial_driver_cpus: float = Field(0.25, ge=0)  # the Tune function that waits on each trial's Train run
+    ray_data_cpus: float = Field(1.0, ge=0)  # CPUs kept free of trials so Ray Data can feed them
+    torch_threads: int | None = Field(None, gt=0)
+    # Where things go.
+    registry_model: str | None = None  # register the best model as a new version of this name
+    storage: str = "vitpipe-work/runs"
+    endpoint_url: str | None = None
+    run_name: str | None = None  # default: finetune-<config hash>
+    keep_checkpoints: int = Field(1, gt=0)  # per trial
+    seed: int = 0
+    max_failures: int = Field(0, ge=-1)  # Ray Train restarts per trial (a diverged trial fails at once anyway)
+    tracking_uri: str | None = None
+    experiment: str = "vitpipe"
+    parent_run_id: str | None = None
+
+    @field_validator("search_space", mode="before")
+    @classmethod
+    def _space(cls, value: Any) -> Any:
+        SearchSpace.parse(value)  # one-line errors naming the parameter
+        return value
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, value: str) -> str:
+        if value not in METRICS:
+            raise ValueError(f"unknown metric {value!r}; trials report {', '.join(METRICS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> FinetuneConfig:
+        space = self.space
+        space.check_searcher(self.searcher)
+        if self.scheduler == "pbt":
+            space.pbt_mutations()
+        steps = min(space.values_of("steps") or (500,))
+        if self.warmup_steps >= steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than the fewest steps searched ({steps})")
+        if self.batch_size is not None and self.batch_size % self.num_workers:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of num_workers {self.num_workers}")
+        if self.init is None and not self.model:
+            raise ValueError("model: required when training from scratch (no init)")
+        return self
+
+    @property
+    def space(self) -> SearchSpace:
+        """The parsed search space."""
+        return SearchSpace.parse(self.search_space)
+
+    @property
+    def sweep_mode(self) -> str:
+        """`mode`, or the metric's natural direction."""
+        return self.mode or METRICS[self.metric]
+
+
+class FinetuneResult(BaseModel):
+    """What the stage hands on."""
+
+    run_id: str
+    best_config: dict[str, Any]
+    best_metric: float | None
+    test_accuracy: float | None
+    model_uri: str | None
+    registered_model: str | None = None
+    registered_version: str | None = None
+    num_trials: int = 0
+    trial_status: dict[str, str] = Field(default_factory=dict)  # trial id -> completed | early_stopped | failed
+    experiment_path: str = ""
+    reused: bool = False
+
+
+def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: Any) -> FinetuneConfig:
+    """A `FinetuneConfig` from a YAML/JSON file or a dict, with one-line errors."""
+    return load_stage_config(FinetuneConfig, "finetune", source, overrides)
+
+
+# ---------------------------------------------------------------- driver pieces
+
+
+def default_batch_size(train_images: int) -> int:
+    """The paper's batch of 512, or the largest power of two up to a quarter of the data when that is less."""
+    quarter = max(1, train_images // 4)
+    return min(512, 2 ** int(math.log2(quarter)))
+
+
+def check_resolutions(config: FinetuneConfig, model: Any, manifest: dict[str, Any]) -> list[int]:
+    """The fine-tune resolutions the sweep may use, checked against the model's and the data's patch size."""
+    patch = model.config.pixel_patch_size
+    if patch != manifest["patch_size"] or model.config.patch_dim != manifest["patch_dim"]:
+        raise ValueError(
+            f"model reads {patch}-pixel patches of length {model.config.patch_dim}, but {config.data} holds "
+            f"{manifest['patch_size']}-pixel patches of length {manifest['patch_dim']}"
+        )
+    sizes = [int(v) for v in config.space.values_of("resolution")] or [int(manifest["image_size"])]
+    for size in sizes:
+        if size % patch:
+            raise ValueError(f"search_space.resolution: {size} is not a multiple of the patch size {patch}")
+    return sizes
+
+
+def stage_init(model: Any, storage_path: str, filesystem: Any, sweep: str) -> str:
+    """Copy the starting checkpoint into the storage once; returns its path there (workers read it)."""
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    import vit
+
+    fs = filesystem or pafs.LocalFileSystem()
+    target = f"{storage_path}/{sweep}-work/init"
+    if fs.get_file_info(f"{target}/model.safetensors").type == pafs.FileType.File:
+        return target  # a resumed sweep keeps the weights its first trials started from
+    with tempfile.TemporaryDirectory() as tmp:
+        vit.save_checkpoint(model, tmp)
+        fs.create_dir(target)
+        pafs.copy_files(tmp, target, destination_filesystem=fs)
+    return target
+
+
+def training_data(config: FinetuneConfig, manifest: dict[str, Any]) -> tuple[Any, bool, int]:
+    """The trials' data spec, whether training rows fit in memory, and the global batch size."""
+    from pipelines.finetune_data import DataSpec, raw_bytes
+    from pipelines.storage import S3Settings
+
+    has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
+    settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
+    data = DataSpec(config.data, manifest, settings, 0.0 if has_val else config.holdout_fraction)
+    in_memory = config.train_data == "memory" or (config.train_data == "auto" and raw_bytes(data) <= config.memory_limit_mb * 2**20)
+    train_images = int(manifest["counts"]["train"] * (1 if has_val else 1 - config.holdout_fraction))
+    return data, in_memory, config.batch_size or default_batch_size(train_images)
+
+
+def trial_capacity(config: FinetuneConfig, streaming: bool) -> tuple[dict[str, float], int]:
+    """Resources of one trial's workers, and how many trials fit the cluster at once.
+
+    A trial holds its driver function's CPUs plus its workers'. When training
+    rows stream through Ray Data, `ray_data_cpus` stay free, or Ray Data could
+    not schedule the reads that feed the workers.
+    """
+    import ray
+
+    per_worker = config.resources_per_worker or ({"CPU": 1.0, "GPU": 1.0} if config.use_gpu else {"CPU": 1.0})
+    per_trial = config.trial_driver_cpus + config.num_workers * float(per_worker.get("CPU", 0))
+    cpus = float(ray.cluster_resources().get("CPU", 0))
+    reserved = config.ray_data_cpus if streaming else 0.0
+    free = cpus - reserved
+    if per_trial > free:
+        raise ValueError(
+            f"a trial needs {per_trial:g} CPUs ({config.num_workers} workers + driver), but the cluster has "
+            f"{cpus:g} with {reserved:g} kept for Ray Data"
+        )
+    fits = max(1, int(free // per_trial)) if per_trial else 1
+    if config.max_concurrent_trials is not None and config.max_concurrent_trials > fits:
+        raise ValueError(
+            f"max_concurrent_trials={config.max_concurrent_trials} needs {config.max_concurrent_trials * per_trial:g} CPUs; "
+            f"the cluster holds {fits} such trials ({cpus:g} CPUs, {reserved:g} kept for Ray Data)"
+        )
+    return per_worker, config.max_concurrent_trials or fits
+
+
+def build_scheduler(config: FinetuneConfig) -> Any:
+    """ASHA (stops weak trials at rungs), PBT (clones strong trials, mutates hyper-parameters) or FIFO."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    if config.scheduler == "fifo":
+        return FIFOScheduler()
+    if config.scheduler == "pbt":
+        return PopulationBasedTraining(
+            time_attr="step", perturbation_interval=config.perturbation_interval or config.eval_interval,
+            hyperparam_mutations=config.space.pbt_mutations(),
+        )
+    max_t = int(config.space.max_value("steps") or 500)
+    grace = min(config.grace_period or config.eval_interval, max_t)
+    return ASHAScheduler(time_attr="step", max_t=max_t, grace_period=grace, reduction_factor=config.reduction_factor)
+
+
+def _result_from_run(client: Any, run_id: str, reused: bool) -> FinetuneResult:
+    run = client.get_run(run_id)
+    tags, metrics = run.data.tags, run.data.metrics
+    best = json.loads(tags.get("vitpipe.best_config", "{}"))
+    statuses = json.loads(tags.get("vitpipe.trial_statuses", "{}"))
+    return FinetuneResult(
+        run_id=run_id, best_config=best, best_metric=metrics.get("best_metric"), test_accuracy=metrics.get("test_top1"),
+        model_uri=tags.get("vitpipe.model_uri"), registered_model=tags.get("vitpipe.registered_model"),
+        registered_version=tags.get("vitpipe.registered_version"), num_trials=len(statuses), trial_status=statuses,
+        experiment_path=tags.get("vitpipe.experiment_path", ""), reused=reused,
+    )
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> FinetuneResult:
+    """Run (or resume) the fine-tuning sweep, evaluate and register its best trial.
+
+    Raises ValueError for bad input (one line naming the field, run or URI) and
+    `VitpipeError` when every trial failed.
+    """
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from pipelines import storage
+    from pipelines.data import read_manifest
+    from pipelines.starting_weights import fetch_starting_weights, init_kind
+
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    client = MlflowClient(tracking_uri)
+    overrides = dict(config.model_overrides)
+    if init_kind(config.init) in ("scratch", "foreign"):
+        overrides.setdefault("image_size", manifest["image_size"])  # models built here start at the data's size
+    start = fetch_starting_weights(
+        config.init, model_name=config.model, model_overrides=overrides, tracking_uri=tracking_uri,
+        endpoint_url=config.endpoint_url,
+    )
+    resolutions = check_resolutions(config, start.model, manifest)
+    data, in_memory, batch_size = training_data(config, manifest)
+
+    identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
+    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id)
+    digest = tracking.config_hash(identity)
+    sweep = config.run_name or f"{STAGE}-{digest[:12]}"
+    tags = {
+        "vitpipe.data_uri": tracking.strip_userinfo(config.data),
+        TAG_MANIFEST: str(manifest.get("content_hash", "")),
+        "vitpipe.init": start.source,
+        "vitpipe.init_kind": start.kind,
+        **({TAG_PRETRAIN_RUN: start.source_run_id} if start.source_run_id else {}),
+    }
+    if not ray.is_initialized():
+        ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+    per_worker, concurrent = trial_capacity(config, streaming=not in_memory)
+    run_id, previous = tracking.start_stage_run(
+        client, config.experiment, STAGE, digest, run_name=sweep, parent_run_id=config.parent_run_id,
+        tags={**tags, **tracking.system_info(config.num_workers, config.use_gpu)},
+    )
+    if previous == "FINISHED":
+        logger.info("finetune: run %s already finished with this config; not running again", run_id)
+        return _result_from_run(client, run_id, reused=True)
+    resolved = {**config.model_dump(mode="json"), "batch_size": batch_size, "pretrain_resolution": start.model.config.image_size}
+    tracking.log_params(client, run_id, resolved)
+    tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")
+    ok = False
+    try:
+        storage_path, filesystem = storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
+        ctx = _sweep_context(config, data, in_memory, start.model, storage_path, filesystem, sweep, batch_size, per_worker,
+                             tracking_uri, run_id, client)
+        result_grid = _run_sweep(config, ctx, storage_path, filesystem, sweep, concurrent, resolutions[0])
+        report_sweep(client, tracking_uri, run_id, ctx, result_grid, metric=config.metric, mode=config.sweep_mode,
+                     searched=[n for n, p in config.space.params.items() if p.kind is not None] or ["lr"],
+                     registry_model=config.registry_model, lineage=tags)
+        ok = True
+    finally:
+        tracking.end_run(client, run_id, ok)
+    return _result_from_run(client, run_id, reused=False)
+
+
+def _sweep_context(config: FinetuneConfig, data: Any, in_memory: bool, model: Any, storage_path: str, filesystem: Any,
+                   sweep: str, batch_size: int, per_worker: dict[str, float], tracking_uri: str, run_id: str,
+                   client: Any) -> Any:
+    """What every trial shares: data, staged weights, the worker settings that do not vary, where to log."""
+    from pipelines.finetune_results import class_names
+    from pipelines.finetune_trial import SweepContext
+    from pipelines.starting_weights import ARCH_FIELDS
+
+    threads = config.torch_threads or (None if config.use_gpu else max(1, int(per_worker.get("CPU", 1))))
+    base = dict(
+        model_name=config.model or "checkpoint",
+        # Only fields without weights may be overridden on a pretrained model.
+        model_overrides={k: v for k, v in config.model_overrides.items() if k not in (*ARCH_FIELDS, "image_size", "num_classes")},
+        init_checkpoint=stage_init(model, storage_path, filesystem, sweep), num_classes=len(class_names(data.manifest)),
+        optimizer=config.optimizer, momentum=config.momentum, freeze_backbone=config.freeze_backbone,
+        warmup_steps=config.warmup_steps, schedule=config.schedule, clip_grad_norm=config.clip_grad_norm,
+        label_smoothing=config.label_smoothing, precision=config.precision,
+        batch_size_per_worker=batch_size // config.num_workers, eval_interval=config.eval_interval,
+        checkpoint_interval=config.checkpoint_interval or config.eval_interval, log_interval=config.log_interval,
+        torch_threads=threads, seed=config.seed, val_dataset=None,
+    )
+    return SweepContext(
+        data=data, base=base, hflip=config.hflip, in_memory=in_memory, storage_path=f"{storage_path}/{sweep}-work/trials",
+        filesystem=filesystem, num_workers=config.num_workers, use_gpu=config.use_gpu, resources_per_worker=per_worker,
+        max_failures=config.max_failures, keep_checkpoints=config.keep_checkpoints, tracking_uri=tracking_uri,
+        experiment_id=client.get_run(run_id).info.experiment_id, parent_run_id=run_id,
+        segment_steps=(config.perturbation_interval or config.eval_interval) if config.scheduler == "pbt" else None,
+    )
+
+
+def _run_sweep(config: FinetuneConfig, ctx: Any, storage_path: str, filesystem: Any, sweep: str, concurrent: int,
+               default_resolution: int) -> Any:
+    from ray import tune
+
+    from pipelines.finetune_trial import run_trial
+
+    trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), {"CPU": config.trial_driver_cpus})
+    path = f"{storage_path}/{sweep}"
+    if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
+        logger.info("finetune: restoring the interrupted sweep at %s", path)
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                   restart_errored=False, storage_filesystem=filesystem)
+    else:
+        mode = config.sweep_mode
+        tuner = tune.Tuner(
+            trainable,
+            param_space=config.space.to_tune(config.searcher, {"resolution": default_resolution}),
+            tune_config=tune.TuneConfig(
+                metric=config.metric, mode=mode, scheduler=build_scheduler(config),
+                search_alg=build_search_alg(config.searcher, config.metric, mode, config.seed),
+                num_samples=config.num_samples, max_concurrent_trials=concurrent,
+            ),
+            run_config=tune.RunConfig(
+                name=sweep, storage_path=storage_path, storage_filesystem=filesystem,
+                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False), verbose=0,
+            ),
+        )
+    return tuner.fit()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.finetune --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    return stage_main("finetune", load_config, run_finetune, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""A fine-tuning trial's data: which rows it trains and validates on, at which resolution, how augmented.
+
+Rows come from an ingest output (Parquet shards of uint8 patch sequences).
+Every role is decoded the same way (`decode_arrays`): optional random-resized
+crop, resize to the trial's resolution, normalisation, always in the shared
+`vit.patches` order.
+
+* train: the `train` split, minus the minival when the data has no `val` split;
+* val: the `val` split, or that minival (a stable hash of each key picks it);
+* test: the `test` split.
+
+Training rows reach the workers one of two ways. Transfer datasets are
+usually small, so by default (`memory`) the trial driver reads them once and
+hands the workers an object ref; each worker draws its own shuffled,
+augmented batches from it. Larger sets stream through Ray Data (`stream`), as
+in pretraining. Evaluation rows are always read with plain pyarrow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from pipelines.errors import VitpipeError
+
+HOLDOUT_SALT = "finetune-holdout/"  # keys hashed with this salt pick the minival images
+Role = Literal["train", "val", "test"]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """How a trial reads the ingested data (built on the driver; may hold S3 credentials)."""
+
+    uri: str
+    manifest: dict[str, Any]
+    settings: Any = None  # pipelines.storage.S3Settings for s3:// data
+    holdout: float = 0.0  # fraction of train held out as minival when the data has no val split
+
+
+def augment_config(strength: float, hflip: bool) -> Any:
+    """Random-resized-crop parameters for an augmentation strength in [0, 1]; None at 0.
+
+    Strength 1 is the pretraining default: crops of 25–100% of the area, aspect 3/4–4/3.
+    """
+    from pipelines.data import AugmentConfig
+
+    if strength <= 0:
+        return None
+    stretch = 1 + strength / 3
+    return AugmentConfig(scale=(1 - 0.75 * strength, 1.0), ratio=(1 / stretch, stretch), flip=hflip)
+
+
+def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], size: int) -> np.ndarray:
+    """uint8 patch sequences of images on `grid` → the same images resized to `size`×`size`, re-patchified."""
+    from PIL import Image
+
+    from pipelines.images import patchify_batch, unpatchify
+
+    images = unpatchify(patches, patch_size, grid)
+    out = np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC)) for im in images])
+    return patchify_batch(out, patch_size)
+
+
+def in_holdout(keys: list[str], fraction: float) -> np.ndarray:
+    """Which keys belong to the minival carved out of train (a stable hash of the key)."""
+    from pipelines.shards import split_of
+
+    return np.array([split_of(HOLDOUT_SALT + k, fraction, 0.0) == "val" for k in keys], dtype=bool)
+
+
+def decode_arrays(
+    patches: np.ndarray, labels: np.ndarray, keys: list[str], *, manifest: dict[str, Any], size: int, aug: Any
+) -> dict[str, np.ndarray]:
+    """uint8 patch sequences → normalised float32 patches at `size`×`size` (augmented when `aug`), int64 labels."""
+    from pipelines.data import augment_patches, normalize
+
+    p, grid = manifest["patch_size"], tuple(manifest["grid"])
+    if aug is not None and len(patches):
+        patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=None, epoch=0, aug=aug)
+    if size != manifest["image_size"] and len(patches):
+        patches = resize_patches(patches, p, grid, size)
+    patches = patches.reshape(len(patches), (size // p) ** 2, manifest["patch_dim"])
+    return {"patches": normalize(patches), "label": np.asarray(labels, dtype=np.int64)}
+
+
+def select_rows(table: Any, keep: str, holdout: float) -> Any:
+    """Rows of a split's table that belong to `keep`: "all", "train" (minus the minival) or "holdout"."""
+    if holdout <= 0 or keep == "all":
+        return table
+    mask = in_holdout(table.column("key").to_pylist(), holdout)
+    return table.filter(mask if keep == "holdout" else ~mask)
+
+
+def decode_batch(table: Any, *, manifest: dict[str, Any], keep: str, holdout: float, size: int, aug: Any) -> dict[str, np.ndarray]:
+    """Parquet rows (`patches`, `label`, `key`) → `decode_arrays`, after keeping the rows of `keep`."""
+    from pipelines.data import patches_array
+
+    table = select_rows(table, keep, holdout)
+    patches = patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"])
+    return decode_arrays(patches, table.column("label").to_numpy(), table.column("key").to_pylist(),
+                         manifest=manifest, size=size, aug=aug)
+
+
+def source(data: DataSpec, role: Role) -> tuple[str, str]:
+    """(stored split, row filter) that make up `role`."""
+    has_val = int(data.manifest.get("counts", {}).get("val", 0)) > 0
+    if role == "test":
+        return "test", "all"
+    if role == "val" and has_val:
+        return "val", "all"
+    if data.holdout <= 0:
+        return "train", "all"
+    return "train", "holdout" if role == "val" else "train"
+
+
+def _tables(data: DataSpec, role: Role) -> Iterator[tuple[Any, str]]:
+    """Each shard's rows of `role`'s split as a pyarrow table, with the row filter to apply."""
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    from pipelines.storage import open_store
+
+    split, keep = source(data, role)
+    store = open_store(data.uri, data.settings)
+    for entry in data.manifest["shards"]:
+        if entry.get("split", {}).get(split, 0) > 0:
+            fs, path = store.arrow(entry["path"])
+            yield pq.read_table(path, filesystem=fs, columns=["patches", "label", "key"], filters=pads.field("split") == split), keep
+
+
+def iter_rows(data: DataSpec, role: Role, *, size: int, batch_size: int = 256) -> Iterator[dict[str, np.ndarray]]:
+    """Decoded rows of one role, shard by shard and `batch_size` at a time, read with pyarrow (no Ray)."""
+    for table, keep in _tables(data, role):
+        for start in range(0, table.num_rows, batch_size):
+            yield decode_batch(table.slice(start, batch_size), manifest=data.manifest, keep=keep, holdout=data.holdout, size=size, aug=None)
+
+
+def load_rows(data: DataSpec, role: Role, *, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """All rows of one role in memory, decoded: `(patches float32 (B, N, D), labels int64 (B,))`."""
+    parts = [p for p in iter_rows(data, role, size=size) if len(p["label"])]
+    if not parts:
+        raise VitpipeError(f"{data.uri}: no {role} images")
+    return np.concatenate([p["patches"] for p in parts]), np.concatenate([p["label"] for p in parts])
+
+
+# ---------------------------------------------------------------- training rows
+
+
+@dataclass
+class MemoryRows:
+    """A trial's training rows held raw (uint8) in the object store, decoded per batch by each worker."""
+
+    patches: np.ndarray  # uint8 (B, N, D) at the data's image size
+    labels: np.ndarray
+    keys: list[str]
+    manifest: dict[str, Any]
+    size: int
+    aug: Any
+
+
+def raw_bytes(data: DataSpec, role: Role = "train") -> int:
+    """About how many bytes `role`'s raw rows take (from the manifest's counts)."""
+    split, _ = source(data, role)
+    count = int(data.manifest.get("counts", {}).get(split, 0))
+    return count * int(data.manifest["num_patches"]) * int(data.manifest["patch_dim"])
+
+
+def memory_rows(data: DataSpec, *, size: int, aug: Any) -> MemoryRows:
+    """Read the training rows once, undecoded (so every epoch can crop them afresh)."""
+    import pyarrow as pa
+
+    from pipelines.data import patches_array
+
+    tables = [select_rows(t, keep, data.holdout) for t, keep in _tables(data, "train")]
+    table = pa.concat_tables(tables) if tables else None
+    if table is None or table.num_rows == 0:
+        raise VitpipeError(f"{data.uri}: no train images")
+    patches = np.array(patches_array(table.column("patches"), data.manifest["num_patches"], data.manifest["patch_dim"]))
+    return MemoryRows(patches, table.column("label").to_numpy().astype(np.int64), table.column("key").to_pylist(),
+                      data.manifest, size, aug)
+
+
+def memory_batches(rows: MemoryRows, *, batch_size: int, rank: int, world: int, seed: int, epoch: int, skip: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """Yield `(epoch, batches consumed in it, batch)` forever from in-memory rows.
+
+    Each epoch is a fresh permutation (a function of seed and epoch, the same on
+    every rank), dealt out rank by rank; `skip` drops the first batches of the
+    resumed epoch, so a restored worker continues from its data position.
+    """
+    import torch
+
+    per_rank = len(rows.labels) // world
+    if per_rank < batch_size:
+        raise ValueError(f"the train split gives worker {rank} {per_rank} images, less than one batch of {batch_size}")
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(len(rows.labels))[rank::world][:per_rank]
+        for i in range(skip, per_rank // batch_size):
+            idx = order[i * batch_size : (i + 1) * batch_size]
+            out = decode_arrays(rows.patches[idx], rows.labels[idx], [rows.keys[j] for j in idx],
+                                manifest=rows.manifest, size=rows.size, aug=rows.aug)
+            yield epoch, i + 1, {"patches": torch.from_numpy(out["patches"]), "label": torch.from_numpy(out["label"])}
+        epoch, skip = epoch + 1, 0
+
+
+def train_dataset(data: DataSpec, *, size: int, aug: Any = None) -> Any:
+    """A Ray Dataset of the training rows at resolution `size`, shuffled by file, augmented when asked."""
+    import ray.data
+    from ray.data.expressions import col
+
+    from pipelines.storage import open_store
+
+    split, keep = source(data, "train")
+    store = open_store(data.uri, data.settings)
+    keys = [s["path"] for s in data.manifest["shards"] if s.get("split", {}).get(split, 0) > 0]
+    if not keys:
+        raise VitpipeError(f"{data.uri}: split {split!r} has no images")
+    filesystem, _ = store.arrow()
+    ds = (
+        ray.data.read_parquet([store.arrow(k)[1] for k in keys], filesystem=filesystem, shuffle="files")
+        .select_columns(["patches", "label", "key", "split"])
+        .filter(expr=col("split") == split)
+    )
+    kwargs = {"manifest": data.manifest, "keep": keep, "holdout": data.holdout, "size": size, "aug": aug}
+    return ds.map_batches(decode_batch, fn_kwargs=kwargs, batch_format="pyarrow", batch_size=256)
+
+
+__all__ = [
+    "DataSpec",
+    "MemoryRows",
+    "augment_config",
+    "decode_arrays",
+    "decode_batch",
+    "in_holdout",
+    "iter_rows",
+    "load_rows",
+    "memory_batches",
+    "memory_rows",
+    "raw_bytes",
+    "resize_patches",
+    "source",
+    "train_dataset",
+]

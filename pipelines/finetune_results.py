@@ -1,0 +1,224 @@
+"""After a fine-tuning sweep: what became of each trial, and the best one tested, logged and registered.
+
+The trials' nested MLflow runs get their final metrics and a status tag
+(completed, early_stopped, failed); the stage run gets the sweep figure, the
+best configuration, the best model's test accuracy and confusion matrix, the
+model itself, and a new version in the Model Registry tagged with its lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from typing import Any
+
+import vit
+from pipelines import tracking
+from pipelines.errors import VitpipeError, find_vitpipe_error
+
+METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
+TAG_TRIAL_STATUS = "vitpipe.trial_status"
+TAG_FINETUNE_RUN = "vitpipe.finetune_run_id"
+
+
+def class_names(manifest: dict[str, Any]) -> list[str]:
+    """Class names in label order (the manifest maps name -> label)."""
+    classes = manifest["classes"]
+    if isinstance(classes, dict):
+        return [name for name, _ in sorted(classes.items(), key=lambda item: item[1])]
+    return [str(c) for c in classes]
+
+
+def trial_outcomes(result_grid: Any, metric: str) -> list[dict[str, Any]]:
+    """One record per trial: id, config, status (completed | early_stopped | failed), last metrics, error."""
+    out = []
+    for trial in result_grid._experiment_analysis.trials:  # ResultGrid keeps no trial ids of its own
+        last = dict(trial.last_result or {})
+        error = None
+        if trial.status == "ERROR":
+            status = "failed"
+            error = trial.get_pickled_error() or trial.get_error()
+        elif int(last.get("step", 0)) < int(trial.config["steps"]):
+            status = "early_stopped"
+        else:
+            status = "completed"
+        out.append({
+            "trial_id": trial.trial_id, "config": dict(trial.config), "status": status, "last": last,
+            "metric": last.get(metric) if status != "failed" else None, "error": error,
+        })
+    return out
+
+
+_WRAPPERS = ("RayTaskError", "TrainingFailedError", "TuneError", "WorkerGroupError", "RayActorError", "ControllerError")
+
+
+def error_line(error: Any) -> str:
+    """One line for a trial's error: the innermost `Type: message` of its traceback, not Ray's wrappers."""
+    if error is None:
+        return "unknown error"
+    ours = find_vitpipe_error(error) if isinstance(error, BaseException) else None
+    if ours is not None:
+        return f"{type(ours).__name__}: {ours}"
+    text = str(error)
+    found = re.findall(r"(?:^|\s)([A-Za-z_][\w.]*(?:Error|Exception)): (.+)", text)
+    inner = [(kind, msg) for kind, msg in found if not kind.rsplit(".", 1)[-1].startswith(_WRAPPERS)]
+    if inner:
+        kind, message = inner[-1]
+        return f"{kind.rsplit('.', 1)[-1]}: {' '.join(message.split())}"[:300]
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return " ".join(first.split())[:300]
+
+
+def finish_trial_runs(client: Any, parent: str, outcomes: list[dict[str, Any]]) -> None:
+    """Final metrics, status tag and run status on each trial's nested run."""
+    experiment_id = client.get_run(parent).info.experiment_id
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{tracking.TAG_PARENT}` = '{parent}'", max_results=1000)
+    by_trial = {r.data.tags.get("vitpipe.trial_id"): r.info.run_id for r in runs}
+    for trial in outcomes:
+        run_id = by_trial.get(trial["trial_id"])
+        if run_id is None:  # failed before its run was opened
+            continue
+        trial["run_id"] = run_id
+        finals = {f"final_{k}": float(v) for k, v in trial["last"].items() if k in (*METRICS, "step") and v is not None}
+        tags = {TAG_TRIAL_STATUS: trial["status"]}
+        if trial["error"] is not None:
+            tags["vitpipe.error"] = error_line(trial["error"])
+        tracking.set_tags(client, run_id, tags)
+        if finals:
+            buffer = tracking.MetricBuffer(client, run_id)
+            buffer.add(finals, int(trial["last"].get("step", 0)))
+            buffer.flush()
+        client.set_terminated(run_id, status="FAILED" if trial["status"] == "failed" else "FINISHED")
+
+
+def pick_best(outcomes: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    """The trial with the best last value of the metric (failed trials excluded)."""
+    scored = [t for t in outcomes if t["metric"] is not None and math.isfinite(float(t["metric"]))]
+    if not scored:
+        return None
+    return (max if mode == "max" else min)(scored, key=lambda t: float(t["metric"]))
+
+
+def evaluate_split(model: Any, data: Any, split: str, size: int) -> tuple[float, Any]:
+    """Top-1 and the confusion matrix (rows: true class) of `model` on one split, read shard by shard."""
+    import numpy as np
+    import torch
+
+    from pipelines.finetune_data import iter_rows
+
+    classes = int(data.manifest.get("num_classes") or len(data.manifest["classes"]))
+    matrix = np.zeros((classes, classes), dtype=np.int64)
+    model.eval()
+    for batch in iter_rows(data, split, size=size):
+        with torch.no_grad():
+            predicted = model(torch.from_numpy(batch["patches"])).argmax(-1).numpy()
+        np.add.at(matrix, (batch["label"], predicted), 1)
+    total = matrix.sum()
+    if total == 0:
+        raise VitpipeError(f"{data.uri}: split {split!r} has no images")
+    return float(np.trace(matrix) / total), matrix
+
+
+def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
+    """The model of a trial's furthest Train checkpoint.
+
+    Under PBT a trial trains on in runs named `<trial>-from-<hash>` after each
+    clone; the checkpoint with the highest step among all its runs is its last.
+    """
+    import pyarrow.fs as pafs
+
+    from pipelines.finetune_trial import latest_checkpoint
+
+    fs = filesystem or pafs.LocalFileSystem()
+    infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
+    runs = [i.path for i in infos if i.base_name == trial_id or i.base_name.startswith(f"{trial_id}-from-")]
+    found = [path for path in (latest_checkpoint(fs, run) for run in runs) if path]
+    if not found:
+        raise VitpipeError(f"trial {trial_id}: no checkpoint under {storage_path}/{trial_id}")
+    path = max(found, key=lambda p: (int(p.rsplit("_", 1)[1]), fs.get_file_info(p).mtime_ns or 0))
+    with tempfile.TemporaryDirectory() as tmp:
+        pafs.copy_files(path, tmp, source_filesystem=fs)
+        return vit.load_checkpoint(tmp)
+
+
+def register(client: Any, tracking_uri: str, name: str, model_uri: str, run_id: str, tags: dict[str, str]) -> str:
+    """Register `model_uri` as a new version of `name` (once per stage run); returns the version."""
+    import mlflow
+
+    for version in client.search_model_versions(f"name = '{name}'"):
+        if version.tags.get(TAG_FINETUNE_RUN) == run_id:
+            return str(version.version)  # this execution registered it before it was interrupted
+    mlflow.set_tracking_uri(tracking_uri)
+    version = mlflow.register_model(model_uri, name, tags={**tags, TAG_FINETUNE_RUN: run_id})
+    return str(version.version)
+
+
+def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_grid: Any, *, metric: str, mode: str,
+                 searched: list[str], registry_model: str | None, lineage: dict[str, str]) -> None:
+    """Everything after `Tuner.fit`: close the trial runs, plot the sweep, test, log and register the best trial.
+
+    Raises `VitpipeError` when every trial failed, naming the first failure.
+    """
+    from pipelines import plots
+
+    outcomes = trial_outcomes(result_grid, metric)
+    finish_trial_runs(client, run_id, outcomes)
+    statuses = {t["trial_id"]: t["status"] for t in outcomes}
+    counts = {s: sum(v == s for v in statuses.values()) for s in ("completed", "early_stopped", "failed")}
+    tracking.set_tags(client, run_id, {"vitpipe.trial_statuses": json.dumps(statuses),
+                                       "vitpipe.experiment_path": result_grid.experiment_path})
+    metrics = {f"trials_{k}": float(v) for k, v in counts.items()}
+    figure = plots.sweep_figure(
+        [{"params": t["config"], "metric": t["metric"], "status": t["status"]} for t in outcomes], searched, metric, mode
+    )
+    client.log_figure(run_id, figure, "sweep.png")
+    figure.clf()
+    best = pick_best(outcomes, mode)
+    buffer = tracking.MetricBuffer(client, run_id)
+    if best is None:
+        buffer.add(metrics, 0)
+        buffer.flush()
+        first = next((t for t in outcomes if t["status"] == "failed"), outcomes[0] if outcomes else None)
+        cause = error_line(first["error"]) if first else "no trials ran"
+        raise VitpipeError(f"finetune: all {len(outcomes)} trials failed; first ({first['trial_id'] if first else '-'}): {cause}")
+
+    model = load_trial_model(ctx.storage_path, ctx.filesystem, best["trial_id"])
+    test_top1, matrix = None, None
+    if int(ctx.data.manifest.get("counts", {}).get("test", 0)) > 0:
+        test_top1, matrix = evaluate_split(model, ctx.data, "test", int(best["config"]["resolution"]))
+        figure = plots.confusion_figure(matrix, class_names(ctx.data.manifest), "best trial on the test split")
+        client.log_figure(run_id, figure, "confusion_matrix.png")
+        figure.clf()
+        metrics["test_top1"] = test_top1
+    best_config = {k: best["config"][k] for k in sorted(best["config"])}
+    metrics["best_metric"] = float(best["metric"])
+    metrics[f"best_{metric}"] = float(best["metric"])
+    buffer.add(metrics, 0)
+    buffer.flush()
+    tracking.log_params(client, run_id, {"best": best_config})
+    tracking.log_dict_artifact(client, run_id, {"trial_id": best["trial_id"], "config": best_config,
+                                                metric: best["metric"], "test_top1": test_top1}, "best_config.json")
+    tracking.set_tags(client, run_id, {"vitpipe.best_config": json.dumps(best_config), "vitpipe.best_trial": best["trial_id"]})
+    with tempfile.TemporaryDirectory() as tmp:
+        vit.save_checkpoint(model, tmp)
+        tracking.log_checkpoint_dir(client, run_id, tmp, "checkpoints/best")
+    model_uri = tracking.log_torch_model(tracking_uri, run_id, model)
+    tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri})
+    if registry_model:
+        version = register(client, tracking_uri, registry_model, model_uri, run_id, lineage)
+        tracking.set_tags(client, run_id, {"vitpipe.registered_model": registry_model, "vitpipe.registered_version": version})
+
+
+__all__ = [
+    "class_names",
+    "error_line",
+    "evaluate_split",
+    "finish_trial_runs",
+    "load_trial_model",
+    "pick_best",
+    "register",
+    "report_sweep",
+    "trial_outcomes",
+]

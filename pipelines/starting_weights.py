@@ -1,0 +1,213 @@
+"""Where a transfer stage's starting weights come from.
+
+`init` in a fine-tune or evaluate config names one of:
+
+* nothing (`None` / "none"): a fresh model of `model` (from-scratch baseline);
+* an MLflow run: `runs:/<run_id>/<artifact path>` or a bare run id, meaning its
+  `checkpoints/final` (what the pretrain stage logs);
+* a registered model version: `models:/<name>/<version>` or `models:/<name>@<alias>`;
+* a project checkpoint directory (`model.safetensors` + `config.json`), local or
+  `s3://bucket/prefix` — e.g. a Ray Train checkpoint of the pretrain stage;
+* a published timm or Hugging Face ViT weights file or directory on local disk,
+  read through `vit.load_pretrained` into the architecture `model` names.
+
+`fetch_starting_weights` turns any of them into an in-memory ViT and records
+which MLflow run produced it (the lineage the registry tags point back to).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pipelines.tracking import strip_userinfo
+
+Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
+DEFAULT_RUN_ARTIFACT = "checkpoints/final"
+# Fields that decide the weights' shapes; image_size and num_classes are what transfer changes.
+ARCH_FIELDS = (
+    "patch_size", "in_channels", "embed_dim", "depth", "num_heads", "mlp_dim", "pool",
+    "class_token", "pos_embed", "representation_size", "qkv_bias", "hybrid",
+)
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass
+class StartingWeights:
+    """A starting model and where it came from."""
+
+    kind: Kind
+    source: str  # the `init` as given (userinfo stripped), "none" for scratch
+    source_run_id: str | None  # the MLflow run that produced the weights, when known
+    model: Any  # a vit.VisionTransformer
+
+
+def init_kind(init: str | None) -> Kind:
+    """Classify an `init` string without touching any storage or server."""
+    if init is None or init.strip().lower() in ("", "none", "scratch"):
+        return "scratch"
+    if init.startswith("runs:/") or _RUN_ID.match(init):
+        return "run"
+    if init.startswith("models:/"):
+        return "registry"
+    if init.startswith("s3://"):
+        return "checkpoint"
+    path = Path(init.removeprefix("file://"))
+    return "checkpoint" if path.is_dir() and _is_project_checkpoint(path) else "foreign"
+
+
+def _is_project_checkpoint(directory: Path) -> bool:
+    config = directory / "config.json"
+    if not (config.is_file() and (directory / "model.safetensors").is_file()):
+        return False
+    try:
+        return "arch" in json.loads(config.read_text())
+    except ValueError:
+        return False
+
+
+def check_architecture(model: Any, model_name: str, overrides: dict[str, Any], source: str) -> None:
+    """Raise a one-line ValueError when `model`'s shapes differ from the requested `model_name` + overrides."""
+    import vit
+
+    wanted = vit.preset_config(model_name, **{k: v for k, v in overrides.items() if k != "num_classes"})
+    have = model.config
+    diffs = [f"{f} {getattr(have, f)!r} (checkpoint) vs {getattr(wanted, f)!r} (requested)"
+             for f in ARCH_FIELDS if getattr(have, f) != getattr(wanted, f)]
+    if diffs:
+        raise ValueError(f"init {source}: checkpoint architecture does not match model {model_name!r}: {'; '.join(diffs)}")
+
+
+def _client(tracking_uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
+def _not_found(err: Exception) -> bool:
+    return getattr(err, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or "not found" in str(err).lower()
+
+
+def _from_run(init: str, tracking_uri: str) -> tuple[Any, str]:
+    import mlflow
+
+    import vit
+
+    if init.startswith("runs:/"):
+        run_id, _, artifact = init.removeprefix("runs:/").partition("/")
+    else:
+        run_id, artifact = init, ""
+    artifact = artifact.strip("/") or DEFAULT_RUN_ARTIFACT
+    try:
+        _client(tracking_uri).get_run(run_id)
+    except mlflow.exceptions.MlflowException as err:
+        if _not_found(err):
+            raise ValueError(f"init: MLflow run {run_id!r} not found at {strip_userinfo(tracking_uri)}") from None
+        raise
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"runs:/{run_id}/{artifact}", dst_path=tmp, tracking_uri=tracking_uri
+            )
+        except (mlflow.exceptions.MlflowException, OSError) as err:
+            raise ValueError(f"init: run {run_id} has no artifact {artifact!r} ({' '.join(str(err).split())[:200]})") from None
+        if not (Path(local) / "model.safetensors").is_file():
+            raise ValueError(f"init: runs:/{run_id}/{artifact} is not a vit checkpoint (no model.safetensors)")
+        return vit.load_checkpoint(local), run_id
+
+
+def _from_registry(init: str, tracking_uri: str) -> tuple[Any, str | None]:
+    import mlflow
+
+    name_version = init.removeprefix("models:/")
+    client = _client(tracking_uri)
+    try:
+        if "@" in name_version:
+            name, alias = name_version.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = name_version.rpartition("/")
+            version = client.get_model_version(name, number) if name and number.isdigit() else None
+        mlflow.set_tracking_uri(tracking_uri)
+        model = mlflow.pytorch.load_model(init)
+    except mlflow.exceptions.MlflowException as err:
+        if _not_found(err):
+            raise ValueError(f"init: registered model {init!r} not found at {strip_userinfo(tracking_uri)}") from None
+        raise
+    return model, version.run_id if version is not None else None
+
+
+def _from_storage(init: str, endpoint_url: str | None) -> Any:
+    from pipelines.storage import open_store
+
+    import vit
+
+    store = open_store(init, endpoint_url=endpoint_url)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("config.json", "model.safetensors"):
+            if not store.exists(name):
+                raise ValueError(f"init {strip_userinfo(init)}: not a vit checkpoint (no {name})")
+            Path(tmp, name).write_bytes(store.read(name))
+        return vit.load_checkpoint(tmp)
+
+
+def _from_foreign(init: str, model_name: str | None, overrides: dict[str, Any]) -> Any:
+    import vit
+
+    path = Path(init.removeprefix("file://"))
+    if not path.exists():
+        raise ValueError(f"init {init}: no such file or directory (and not a run id, runs:/ or models:/ URI)")
+    if not model_name:
+        raise ValueError(f"init {init}: a timm/Hugging Face weights file needs `model` to name its architecture")
+    model = vit.create_model(model_name, **overrides)
+    try:
+        vit.load_pretrained(model, path, skip_head=True)
+    except ValueError as err:
+        text = " ".join(str(err).split())
+        raise ValueError(f"init {init}: does not fit model {model_name!r}: {text[:300]}") from None
+    return model
+
+
+def fetch_starting_weights(
+    init: str | None,
+    *,
+    model_name: str | None,
+    model_overrides: dict[str, Any],
+    tracking_uri: str,
+    endpoint_url: str | None = None,
+) -> StartingWeights:
+    """Load the starting ViT that `init` names (see the module docstring).
+
+    `model_name` + `model_overrides` build the model for "none" and foreign
+    files; for the other sources they are optional and, when given, must match
+    the checkpoint's architecture (a one-line ValueError names the fields).
+    """
+    import vit
+
+    kind = init_kind(init)
+    source = "none" if kind == "scratch" else strip_userinfo(str(init))
+    run_id: str | None = None
+    if kind == "scratch":
+        if not model_name:
+            raise ValueError("model: required when training from scratch (init is none)")
+        model = vit.create_model(model_name, **model_overrides)
+    elif kind == "run":
+        model, run_id = _from_run(str(init), tracking_uri)
+    elif kind == "registry":
+        model, run_id = _from_registry(str(init), tracking_uri)
+    elif kind == "checkpoint":
+        model = _from_storage(str(init), endpoint_url)
+    else:
+        model = _from_foreign(str(init), model_name, model_overrides)
+    if not isinstance(model, vit.VisionTransformer):
+        raise ValueError(f"init {source}: holds a {type(model).__name__}, not a ViT")
+    if model_name and kind in ("run", "registry", "checkpoint"):
+        check_architecture(model, model_name, model_overrides, source)
+    return StartingWeights(kind, source, run_id, model)
+
+
+__all__ = ["ARCH_FIELDS", "StartingWeights", "check_architecture", "fetch_starting_weights", "init_kind"]

@@ -1,0 +1,114 @@
+"""Few-shot linear evaluation: the closed-form probe, and the stage on a real pretrain run and tracking server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipelines.evaluate import EvaluateConfig, few_shot_accuracy, load_config, ridge_fit, run_evaluate, sample_support
+
+
+def blobs(n_per_class: int, classes: int, dim: int, seed: int, spread: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, dim, generator=torch.Generator().manual_seed(99)) * 3
+    labels = torch.arange(classes).repeat_interleave(n_per_class)
+    return centres[labels] + spread * torch.randn(len(labels), dim, generator=gen), labels
+
+
+# ---------------------------------------------------------------- the probe
+
+
+def test_the_ridge_probe_separates_separable_classes_from_one_example_each():
+    support, query = blobs(1, 5, 16, seed=0), blobs(40, 5, 16, seed=1)
+    assert few_shot_accuracy(support, query, 5, l2_reg=0.01) == 1.0
+
+
+def test_the_probe_regresses_to_plus_minus_one_targets():
+    features, labels = blobs(30, 3, 8, seed=2, spread=0.01)
+    w, b = ridge_fit(features, labels, 3, l2_reg=1e-6)
+    outputs = features.double() @ w + b
+    target = -torch.ones(90, 3, dtype=torch.float64)
+    target[torch.arange(90), labels] = 1
+    torch.testing.assert_close(outputs, target, atol=0.05, rtol=0)
+
+
+def _explicit(features: torch.Tensor, labels: torch.Tensor, classes: int, l2_reg: float, dual: bool) -> torch.Tensor:
+    x = features.double() - features.double().mean(0)
+    y = -torch.ones(len(labels), classes, dtype=torch.float64)
+    y[torch.arange(len(labels)), labels] = 1
+    lam = l2_reg * float((x * x).sum(1).mean())
+    if dual:
+        return x.T @ torch.linalg.solve(x @ x.T + lam * torch.eye(len(x), dtype=torch.float64), y)
+    return torch.linalg.solve(x.T @ x + lam * torch.eye(x.shape[1], dtype=torch.float64), x.T @ y)
+
+
+@pytest.mark.parametrize(("n_per_class", "dim"), [(4, 64), (40, 8)])  # fewer examples than features, and more
+def test_primal_and_dual_forms_give_the_same_weights(n_per_class, dim):
+    features, labels = blobs(n_per_class, 3, dim, seed=3)
+    w, _ = ridge_fit(features, labels, 3, l2_reg=0.1)
+    torch.testing.assert_close(w, _explicit(features, labels, 3, 0.1, dual=True))
+    torch.testing.assert_close(w, _explicit(features, labels, 3, 0.1, dual=False))
+
+
+def test_support_sets_hold_k_distinct_images_of_every_class():
+    labels = np.repeat(np.arange(4), 10)
+    picks = sample_support(labels, 5, np.random.default_rng(0), ["a", "b", "c", "d"])
+    assert len(set(picks.tolist())) == 20
+    assert np.bincount(labels[picks]).tolist() == [5, 5, 5, 5]
+
+
+def test_asking_for_more_shots_than_a_class_has_names_the_class():
+    labels = np.array([0, 0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"shots: 3-shot needs 3 support images of every class; class 'one' has 2"):
+        sample_support(labels, 3, np.random.default_rng(0), ["zero", "one"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"shots": []}, r"evaluate config: shots is empty"), ({"shots": [5, 0]}, r"shots must be positive, got 0"),
+     ({"l2_reg": 0}, r"evaluate config: l2_reg: Input should be greater than 0")],
+)
+def test_bad_config_is_one_line_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        load_config({"data": "x", "init": "0" * 32, **fields})
+
+
+# ---------------------------------------------------------------- the stage
+
+
+@pytest.fixture(scope="module")
+def evaluated(digits_data, pretrained):
+    config = EvaluateConfig(data=digits_data, init=pretrained.run_id, shots=[1, 5, 10], repeats=3,
+                            tracking_uri=pretrained.tracking_uri, experiment="evaluate-tests")
+    return config, run_evaluate(config)
+
+
+@pytest.mark.slow
+def test_few_shot_accuracy_of_a_pretrained_model_beats_chance_and_grows_with_shots(evaluated):
+    _, result = evaluated
+    assert result.chance == pytest.approx(0.1)
+    assert all(acc > 2 * result.chance for acc in result.accuracy.values())
+    assert result.accuracy[10] > result.accuracy[1]
+
+
+@pytest.mark.slow
+def test_the_stage_logs_its_table_and_links_the_pretrain_run(evaluated, pretrained):
+    config, result = evaluated
+    client = MlflowClient(config.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.data.tags["vitpipe.stage"] == "evaluate"
+    assert run.data.tags["vitpipe.pretrain_run_id"] == pretrained.run_id
+    assert {f"fewshot_{k}shot_top1" for k in (1, 5, 10)} <= set(run.data.metrics)
+    assert "fewshot_table.json" in {a.path for a in client.list_artifacts(result.run_id)}
+    assert run.info.status == "FINISHED"
+    assert run_evaluate(config).reused  # the same evaluation is not computed twice
+
+
+@pytest.mark.slow
+def test_more_shots_than_the_support_split_holds_is_refused(digits_data, pretrained):
+    config = EvaluateConfig(data=digits_data, init=pretrained.run_id, shots=[200], tracking_uri=pretrained.tracking_uri,
+                            experiment="evaluate-tests")
+    with pytest.raises(ValueError, match=r"200-shot needs 200 support images of every class; class '\d' has 1\d\d$"):
+        run_evaluate(config)

@@ -1,0 +1,229 @@
+"""The transfer stage end to end: a Ray Tune sweep of Ray Train runs on the session's real local cluster,
+tracked on a real `mlflow server`, starting from a real pretrain run.
+
+The main sweep runs once (module fixture) and several tests read its outcome:
+four trials of a tiny ViT fine-tuned on the digits at 32×32, twice the 16×16 it
+was pretrained at. Learning rates are spread so ASHA has clearly worse trials
+to stop (1e-7 barely moves) and one trial diverges (lr 1e30), which must not
+take the sweep down.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pipelines.data import read_manifest
+from pipelines.errors import VitpipeError
+from pipelines.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from tests.transfer_fixtures import DIGITS_SIZE
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 24
+
+
+def sweep_config(data: str, init: str | None, tracking_uri: str, tmp: Path, **overrides) -> FinetuneConfig:
+    fields = dict(
+        data=data, init=init, search_space={"lr": {"grid": [0.03, 0.01, 1e30, 1e-7]}, "steps": STEPS, "resolution": DIGITS_SIZE},
+        eval_interval=4, grace_period=4, reduction_factor=2, batch_size=32, metric="val_loss", max_concurrent_trials=2,
+        log_interval=1, registry_model="digits-transfer", storage=str(tmp / "runs"), tracking_uri=tracking_uri,
+        experiment="finetune-main",
+    )
+    fields.update(overrides)
+    return FinetuneConfig(**fields)
+
+
+@dataclass
+class Sweep:
+    config: FinetuneConfig
+    result: FinetuneResult
+    client: MlflowClient
+
+    def children(self):
+        experiment = self.client.get_experiment_by_name(self.config.experiment).experiment_id
+        return self.client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{self.result.run_id}'")
+
+    def history(self, run_id: str, key: str) -> dict[int, float]:
+        return {m.step: m.value for m in sorted(self.client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
+
+
+@pytest.fixture(scope="module")
+def sweep(digits_data, pretrained, tmp_path_factory) -> Sweep:
+    tmp = tmp_path_factory.mktemp("finetune-main")
+    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp)
+    return Sweep(config, run_finetune(config), MlflowClient(pretrained.tracking_uri))
+
+
+# ---------------------------------------------------------------- the main sweep
+
+
+def test_the_sweep_runs_every_trial_and_stops_at_least_one_early(sweep):
+    statuses = sweep.result.trial_status
+    assert len(statuses) == 4
+    assert "early_stopped" in statuses.values()
+    assert list(statuses.values()).count("failed") == 1  # lr 1e30 diverged; the sweep went on
+    stopped = [r for r in sweep.children() if r.data.tags["vitpipe.trial_status"] == "early_stopped"]
+    assert all(r.data.metrics["final_step"] < STEPS for r in stopped)
+
+
+def test_every_trial_is_a_nested_run_with_its_hyperparameters_and_metrics(sweep):
+    children = sweep.children()
+    assert len(children) == 4
+    assert sorted(float(r.data.params["lr"]) for r in children) == sorted([0.03, 0.01, 1e30, 1e-7])
+    for run in children:
+        assert run.data.params["resolution"] == str(DIGITS_SIZE)
+        assert run.data.tags["vitpipe.trial_id"] in sweep.result.trial_status
+        failed = run.data.tags["vitpipe.trial_status"] == "failed"
+        assert run.info.status == ("FAILED" if failed else "FINISHED")
+        if failed:
+            assert "diverged at step 2" in run.data.tags["vitpipe.error"]
+            continue
+        assert sweep.history(run.info.run_id, "train_loss")  # per-step metrics from rank 0
+        assert sorted(sweep.history(run.info.run_id, "val_loss"))[0] == 4  # the first evaluation
+        assert "final_val_loss" in run.data.metrics
+
+
+def test_the_best_trial_is_tested_and_its_config_figures_and_model_logged(sweep):
+    run = sweep.client.get_run(sweep.result.run_id)
+    best = sweep.result.best_config
+    assert best["lr"] in (0.03, 0.01)  # the two learning rates that learn at all
+    assert run.data.params["best.lr"] == str(best["lr"])
+    assert sweep.result.test_accuracy == run.data.metrics["test_top1"]
+    assert sweep.result.test_accuracy > 0.2  # ten classes: chance is 0.1
+    artifacts = {a.path for a in sweep.client.list_artifacts(run.info.run_id)}
+    assert {"sweep.png", "confusion_matrix.png", "best_config.json", "checkpoints"} <= artifacts
+    assert run.info.status == "FINISHED"
+
+
+def test_the_best_model_is_registered_with_lineage_to_its_pretrain_run_and_data(sweep, pretrained, digits_data):
+    versions = sweep.client.search_model_versions("name = 'digits-transfer'")
+    assert [v.version for v in versions] == [sweep.result.registered_version]
+    tags = versions[0].tags
+    assert tags["vitpipe.pretrain_run_id"] == pretrained.run_id
+    assert tags["vitpipe.finetune_run_id"] == sweep.result.run_id
+    assert tags["vitpipe.manifest_hash"] == read_manifest(digits_data)["content_hash"]
+    assert versions[0].run_id == sweep.result.run_id
+
+
+def test_fine_tuning_at_twice_the_pretraining_resolution_starts_at_chance_and_lowers_the_loss(sweep, pretrained):
+    params = sweep.client.get_run(sweep.result.run_id).data.params
+    assert int(params["pretrain_resolution"]) * 2 == DIGITS_SIZE == sweep.result.best_config["resolution"]
+    best = next(r for r in sweep.children() if float(r.data.params["lr"]) == sweep.result.best_config["lr"])
+    losses = sweep.history(best.info.run_id, "train_loss")
+    assert losses[1] == pytest.approx(math.log(10), abs=1e-3)  # zero-initialised head: uniform logits
+    assert sum(losses[s] for s in range(STEPS - 3, STEPS + 1)) / 4 < math.log(10) - 0.3
+
+
+def test_running_a_finished_sweep_again_returns_it_without_training(sweep):
+    again = run_finetune(sweep.config)
+    assert again.reused
+    assert (again.run_id, again.registered_version) == (sweep.result.run_id, sweep.result.registered_version)
+    assert len(sweep.children()) == 4
+
+
+# ---------------------------------------------------------------- interruption
+
+
+def _experiment_trials(path: Path) -> dict[str, str]:
+    """Trial id -> status, from the newest experiment state Tune wrote."""
+    files = sorted(glob.glob(str(path / "experiment_state-*.json")))
+    if not files:
+        return {}
+    try:
+        state = json.loads(Path(files[-1]).read_text())
+    except ValueError:  # caught mid-write
+        return {}
+    trials = [json.loads(t[0]) if isinstance(t[0], str) else t[0] for t in state["trial_data"]]
+    return {t["trial_id"]: t["status"] for t in trials}
+
+
+def _snapshot(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file()}
+
+
+def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_data, pretrained, ray_cluster, tmp_path):
+    # Two trials one after the other: a short one that finishes, then a longer one the kill interrupts.
+    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="killed",
+                          search_space={"lr": 0.02, "steps": {"grid": [4, 24]}}, scheduler="fifo",
+                          max_concurrent_trials=1, registry_model=None, experiment="finetune-resume")
+    config_file = tmp_path / "finetune.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    log = tmp_path / "stage.log"
+    command = [sys.executable, "-m", "pipelines.finetune", "--config", str(config_file), "--ray-address", ray_cluster.address]
+    sweep_dir = tmp_path / "runs" / "killed"
+    with open(log, "ab") as out:
+        first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        # Kill once the first trial has finished and the second is recorded but not yet finished.
+        while sorted(_experiment_trials(sweep_dir).values()) not in (["PENDING", "TERMINATED"], ["RUNNING", "TERMINATED"]):
+            assert first.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no kill point in time: {_experiment_trials(sweep_dir)}"
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the driver mid-sweep
+        first.wait()
+    before = _experiment_trials(sweep_dir)
+    finished = [t for t, status in before.items() if status == "TERMINATED"]
+    trial_dirs = {t: tmp_path / "runs" / "killed-work" / "trials" / t for t in finished}
+    snapshots = {t: _snapshot(d) for t, d in trial_dirs.items()}
+
+    with open(log, "ab") as out:
+        second = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=500)
+    assert second.returncode == 0, log.read_text()[-3000:]
+    result = json.loads(log.read_text().strip().splitlines()[-1])
+
+    assert set(result["trial_status"]) == set(before) and len(before) == 2  # no trial was added or replaced
+    assert set(result["trial_status"].values()) == {"completed"}
+    for trial, directory in trial_dirs.items():
+        assert _snapshot(directory) == snapshots[trial]  # the finished trial's Train run was not touched
+    client = MlflowClient(config.tracking_uri)
+    experiment = client.get_experiment_by_name(config.experiment).experiment_id
+    stage_runs = client.search_runs([experiment], filter_string="tags.`vitpipe.stage` = 'finetune'")
+    assert [r.info.run_id for r in stage_runs] == [result["run_id"]]  # the rerun reopened the killed run
+    children = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result['run_id']}'")
+    assert sorted(r.data.tags["vitpipe.trial_id"] for r in children) == sorted(before)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_a_sweep_whose_every_trial_fails_raises_one_error_naming_the_cause(digits_data, pretrained, tmp_path):
+    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="all-fail",
+                          search_space={"lr": 1e30, "steps": 8, "resolution": DIGITS_SIZE}, registry_model=None,
+                          experiment="finetune-fail")
+    with pytest.raises(VitpipeError, match=r"finetune: all 1 trials failed; first \(\w+\): .*trial diverged at step 2") as info:
+        run_finetune(config)
+    assert "\n" not in str(info.value)
+    client = MlflowClient(config.tracking_uri)
+    experiment = client.get_experiment_by_name("finetune-fail").experiment_id
+    stage = client.search_runs([experiment], filter_string="tags.`vitpipe.stage` = 'finetune'")[0]
+    assert stage.info.status == "FAILED"
+
+
+def test_a_missing_pretrain_run_is_named(digits_data, pretrained, tmp_path):
+    missing = "0" * 32
+    config = sweep_config(digits_data, missing, pretrained.tracking_uri, tmp_path)
+    with pytest.raises(ValueError, match=rf"init: MLflow run '{missing}' not found at http://127\.0\.0\.1:\d+$"):
+        run_finetune(config)
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_fields(digits_data, pretrained, tmp_path):
+    config = sweep_config(digits_data, f"runs:/{pretrained.run_id}/checkpoints/final", pretrained.tracking_uri, tmp_path,
+                          model="ViT-Ti/16", model_overrides={"depth": 3, "embed_dim": 64, "num_heads": 2, "mlp_dim": 128,
+                                                              "pool": "gap", "patch_size": 4})
+    with pytest.raises(ValueError, match=r"checkpoint architecture does not match model 'ViT-Ti/16': depth 2 \(checkpoint\) vs 3 \(requested\)$"):
+        run_finetune(config)

@@ -1,0 +1,235 @@
+"""The transfer stage's parts that need no cluster: model surgery, optimizer, data decoding, config checks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import vit
+from pipelines.finetune import FinetuneConfig, default_batch_size, load_config
+from pipelines.finetune_data import MemoryRows, augment_config, decode_batch, in_holdout, memory_batches
+from pipelines.finetune_trial import TrialSettings, at_resolution, build_finetune_optimizer, freeze_backbone
+from pipelines.starting_weights import fetch_starting_weights, init_kind
+from pipelines.train_step import TrainStep, build_scheduler
+
+TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=4, image_size=16, num_classes=4)
+
+
+def tiny(**overrides) -> vit.VisionTransformer:
+    torch.manual_seed(0)
+    return vit.create_model("ViT-Ti/16", **{**TINY, **overrides})
+
+
+def settings(**overrides) -> TrialSettings:
+    fields = dict(model_name="ViT-Ti/16", steps=10, lr=0.1, weight_decay=0.0, batch_size_per_worker=8, image_size=32, num_classes=10)
+    fields.update(overrides)
+    return TrialSettings(**fields)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_at_resolution_interpolates_position_embeddings_like_the_model_does_at_call_time():
+    base = tiny()
+    model = at_resolution(base, 32, 10)
+    images = torch.randn(2, 3, 32, 32)
+    assert model.pos_embed.shape == (1, 1 + 64, 32)  # 8x8 grid + class token
+    expected = base.pooled_features(images)  # the 4x4-grid model resamples on the fly for 32x32 inputs
+    torch.testing.assert_close(model.pooled_features(images), expected)
+
+
+def test_at_resolution_resamples_row_and_column_tables_of_2d_embeddings():
+    base = tiny(pos_embed="learned_2d")
+    model = at_resolution(base, 32, 10)
+    assert model.pos_embed_row.shape == (8, 16) and model.pos_embed_col.shape == (8, 16)
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model.pooled_features(images), base.pooled_features(images))
+
+
+def test_the_new_head_is_zero_initialised_for_the_new_classes():
+    model = at_resolution(tiny(), 32, 10)
+    assert model.head.out_features == 10
+    assert torch.count_nonzero(model.head.weight) == 0 and torch.count_nonzero(model.head.bias) == 0
+    logits = model(torch.randn(3, 3, 32, 32))
+    torch.testing.assert_close(torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2])), torch.tensor(math.log(10)))
+
+
+def test_a_frozen_backbone_trains_only_the_head():
+    model = at_resolution(tiny(), 16, 4)
+    freeze_backbone(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    s = settings(image_size=16, num_classes=4, freeze_backbone=True)
+    optimizer = build_finetune_optimizer(model, s)
+    step = TrainStep(model, optimizer, build_scheduler(optimizer, s), device=torch.device("cpu"), amp_dtype=None)
+    step([(torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,)))])
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"head.weight", "head.bias"}
+
+
+def test_the_default_optimizer_is_sgd_with_momentum_and_decays_matrices_only():
+    model = tiny()
+    optimizer = build_finetune_optimizer(model, settings(weight_decay=1e-4))
+    assert isinstance(optimizer, torch.optim.SGD)
+    decayed, plain = optimizer.param_groups
+    assert (decayed["momentum"], decayed["weight_decay"], plain["weight_decay"]) == (0.9, 1e-4, 0.0)
+    assert all(p.ndim >= 2 for p in decayed["params"]) and all(p.ndim < 2 for p in plain["params"])
+    assert isinstance(build_finetune_optimizer(model, settings(optimizer="adamw")), torch.optim.AdamW)
+
+
+# ---------------------------------------------------------------- data
+
+
+def _table(n: int, size: int = 16, patch: int = 4) -> tuple[pa.Table, dict]:
+    grid = size // patch
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(n, size, size, 3), dtype=np.uint8)
+    from pipelines.images import patchify_batch
+
+    patches = patchify_batch(images, patch)
+    table = pa.table({
+        "patches": pa.array([p.tobytes() for p in patches], pa.binary()),
+        "label": pa.array(np.arange(n) % 3, pa.int64()),
+        "key": pa.array([f"img-{i:04d}.png" for i in range(n)]),
+    })
+    manifest = {"patch_size": patch, "grid": [grid, grid], "num_patches": grid * grid, "patch_dim": patch * patch * 3, "image_size": size}
+    return table, manifest
+
+
+def test_the_minival_holdout_splits_train_by_key_disjointly_and_completely():
+    table, manifest = _table(200)
+    train = decode_batch(table, manifest=manifest, keep="train", holdout=0.2, size=16, aug=None)
+    held = decode_batch(table, manifest=manifest, keep="holdout", holdout=0.2, size=16, aug=None)
+    assert len(train["label"]) + len(held["label"]) == 200
+    assert 20 <= len(held["label"]) <= 60  # about a fifth
+    keys = table.column("key").to_pylist()
+    assert in_holdout(keys, 0.2).tolist() == in_holdout(keys, 0.2).tolist()  # stable: a pure function of the key
+
+
+def test_rows_are_resized_to_the_trial_resolution_in_the_shared_patch_order():
+    table, manifest = _table(4)
+    out = decode_batch(table, manifest=manifest, keep="all", holdout=0.0, size=32, aug=None)
+    assert out["patches"].shape == (4, 64, 48)
+    # A 2x upsampling of a smooth ramp keeps its shape: compare with torch's own bicubic resize of the pixels.
+    original = vit.unpatchify(torch.from_numpy(decode_batch(table, manifest=manifest, keep="all", holdout=0.0, size=16, aug=None)["patches"]), 4, (4, 4))
+    resized = vit.unpatchify(torch.from_numpy(out["patches"]), 4, (8, 8))
+    down = torch.nn.functional.avg_pool2d(resized, 2)
+    assert torch.corrcoef(torch.stack([down.flatten(), original.flatten()]))[0, 1] > 0.9
+
+
+def _memory_rows(n: int) -> MemoryRows:
+    table, manifest = _table(n)
+    from pipelines.data import patches_array
+
+    patches = np.array(patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"]))
+    return MemoryRows(patches, np.arange(n), table.column("key").to_pylist(), manifest, 16, None)
+
+
+def test_in_memory_batches_deal_each_epoch_out_to_the_ranks_without_overlap():
+    rows = _memory_rows(40)
+    seen = []
+    for rank in range(2):
+        batches = memory_batches(rows, batch_size=5, rank=rank, world=2, seed=0, epoch=0, skip=0)
+        seen.append([int(y) for _ in range(4) for y in next(batches)[2]["label"]])
+    assert len(set(seen[0]) | set(seen[1])) == 40  # one epoch: every row once, on one rank
+    nxt = memory_batches(rows, batch_size=5, rank=0, world=2, seed=0, epoch=1, skip=0)
+    assert [int(y) for _ in range(4) for y in next(nxt)[2]["label"]] != seen[0]  # a new order every epoch
+
+
+def test_in_memory_batches_resume_from_their_data_position():
+    rows = _memory_rows(40)
+    full = memory_batches(rows, batch_size=5, rank=0, world=1, seed=3, epoch=2, skip=0)
+    expected = [next(full) for _ in range(8)][3:]
+    resumed = memory_batches(rows, batch_size=5, rank=0, world=1, seed=3, epoch=2, skip=3)
+    for (epoch, position, batch), (e, p, b) in zip(expected, [next(resumed) for _ in range(5)]):
+        assert (epoch, position) == (e, p)
+        assert torch.equal(batch["label"], b["label"])
+
+
+def test_augmentation_strength_scales_the_crop_and_zero_turns_it_off():
+    assert augment_config(0.0, hflip=True) is None
+    full, mild = augment_config(1.0, hflip=False), augment_config(0.2, hflip=True)
+    assert full.scale == (0.25, 1.0) and full.flip is False
+    assert mild.scale[0] > full.scale[0] and mild.ratio[1] < full.ratio[1]
+
+
+# ---------------------------------------------------------------- config and starting weights
+
+
+def test_the_defaults_are_the_papers_fine_tuning_recipe():
+    config = load_config({"data": "x", "init": "0" * 32})
+    assert (config.optimizer, config.momentum, config.schedule, config.clip_grad_norm) == ("sgd", 0.9, "cosine", 1.0)
+    assert config.space.to_tune("grid", {"resolution": 32})["weight_decay"] == 0.0
+    assert config.scheduler == "asha" and (config.metric, config.sweep_mode) == ("val_top1", "max")
+    assert default_batch_size(100_000) == 512
+    assert default_batch_size(1_000) == 128  # a quarter of the data, rounded down to a power of two
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"search_space": {"lr": 0.1, "momentum": 0.9}}, r"finetune config: search_space: unknown parameter 'momentum'"),
+        ({"search_space": {"lr": {"uniform": [0.1, 0.01]}}}, r"finetune config: search_space\.lr: empty range"),
+        ({"metric": "accuracy"}, r"finetune config: metric: unknown metric 'accuracy'; trials report val_top1"),
+        ({"scheduler": "pbt", "search_space": {"lr": 0.1}}, r"scheduler 'pbt' needs at least one of lr"),
+        ({"search_space": {"lr": {"loguniform": [1e-3, 1e-1]}}}, r"searcher 'grid' takes constants and grid values only"),
+        ({"warmup_steps": 50, "search_space": {"steps": {"grid": [40, 80]}}}, r"warmup_steps \(50\) must be smaller than the fewest steps searched \(40\)"),
+        ({"init": None}, r"model: required when training from scratch"),
+        ({"batch_size": 30, "num_workers": 4}, r"batch_size 30 is not a multiple of num_workers 4"),
+        ({"reduction_factor": 1}, r"finetune config: reduction_factor: Input should be greater than 1"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message) as info:
+        load_config({"data": "x", "init": "0" * 32, **fields})
+    assert "\n" not in str(info.value)
+
+
+def test_init_strings_are_classified_without_touching_anything(tmp_path):
+    vit.save_checkpoint(tiny(), tmp_path / "ckpt")
+    assert init_kind(None) == init_kind("none") == "scratch"
+    assert init_kind("runs:/abc/checkpoints/final") == init_kind("a" * 32) == "run"
+    assert init_kind("models:/digits/3") == "registry"
+    assert init_kind("s3://bucket/ckpt") == init_kind(str(tmp_path / "ckpt")) == "checkpoint"
+    assert init_kind(str(tmp_path / "vit_base.safetensors")) == "foreign"
+
+
+def test_a_local_checkpoint_of_another_architecture_is_refused(tmp_path):
+    vit.save_checkpoint(tiny(), tmp_path / "ckpt")
+    overrides = {k: v for k, v in TINY.items() if k not in ("image_size", "num_classes")}
+    with pytest.raises(ValueError, match=r"checkpoint architecture does not match model 'ViT-Ti/16': embed_dim 32 \(checkpoint\) vs 64 \(requested\)"):
+        fetch_starting_weights(str(tmp_path / "ckpt"), model_name="ViT-Ti/16", model_overrides={**overrides, "embed_dim": 64},
+                               tracking_uri="unused")
+    fetched = fetch_starting_weights(str(tmp_path / "ckpt"), model_name="ViT-Ti/16", model_overrides=overrides, tracking_uri="unused")
+    assert fetched.kind == "checkpoint" and fetched.source_run_id is None
+
+
+def test_published_weights_load_into_the_named_architecture_and_need_one(tmp_path):
+    from safetensors.torch import save_file
+
+    source = tiny()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "timm.safetensors")
+    overrides = {k: v for k, v in TINY.items() if k != "num_classes"}
+    with pytest.raises(ValueError, match=r"needs `model` to name its architecture"):
+        fetch_starting_weights(str(tmp_path / "timm.safetensors"), model_name=None, model_overrides={}, tracking_uri="unused")
+    fetched = fetch_starting_weights(str(tmp_path / "timm.safetensors"), model_name="ViT-Ti/16", model_overrides=overrides, tracking_uri="unused")
+    torch.testing.assert_close(fetched.model.pos_embed, source.pos_embed)
+    with pytest.raises(ValueError, match=r"does not fit model 'ViT-Ti/16'"):
+        fetch_starting_weights(str(tmp_path / "timm.safetensors"), model_name="ViT-Ti/16", model_overrides={**overrides, "depth": 3}, tracking_uri="unused")
+
+
+def test_from_scratch_needs_an_architecture():
+    with pytest.raises(ValueError, match=r"model: required when training from scratch"):
+        fetch_starting_weights(None, model_name=None, model_overrides={}, tracking_uri="unused")
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    import yaml
+
+    config = FinetuneConfig(data="x", init="0" * 32, search_space={"lr": {"grid": [0.1, 0.01]}, "steps": 100})
+    path = tmp_path / "finetune.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert load_config(path) == config

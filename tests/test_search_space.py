@@ -1,0 +1,103 @@
+"""The fine-tuning search space: parsing, one-line errors, and what Tune receives. No Ray cluster needed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from ray import tune
+
+from pipelines.search_space import PARAMS, SearchSpace, build_search_alg
+
+
+def test_constants_and_distributions_become_tune_domains():
+    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}, "steps": {"grid": [100, 200]}, "resolution": 64})
+    tuned = space.to_tune("grid")
+    assert isinstance(tuned["lr"], tune.search.sample.Float)
+    assert tuned["lr"].lower == pytest.approx(1e-3) and tuned["lr"].upper == pytest.approx(1e-1)
+    assert tuned["steps"] == {"grid_search": [100, 200]}
+    assert tuned["resolution"] == 64
+
+
+def test_unset_parameters_take_the_given_defaults_then_the_built_in_ones():
+    tuned = SearchSpace.parse({"lr": 0.03}).to_tune("random", {"resolution": 32})
+    assert tuned == {"lr": 0.03, "steps": PARAMS["steps"][1], "resolution": 32, "weight_decay": 0.0, "aug_strength": 0.0}
+
+
+def test_a_parameter_without_any_value_is_an_error():
+    with pytest.raises(ValueError, match="no value for resolution"):
+        SearchSpace.parse({}).to_tune("grid")
+
+
+def test_grid_lists_are_choices_for_the_random_searcher():
+    tuned = SearchSpace.parse({"lr": {"grid": [0.1, 0.01]}}).to_tune("random", {"resolution": 32})
+    assert isinstance(tuned["lr"], tune.search.sample.Categorical)
+    assert tuned["lr"].categories == [0.1, 0.01]
+
+
+def test_randint_includes_its_upper_bound():
+    tuned = SearchSpace.parse({"steps": {"randint": [10, 20]}}).to_tune("random", {"resolution": 32})
+    assert (tuned["steps"].lower, tuned["steps"].upper) == (10, 21)  # Tune's upper bound is exclusive
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"momentum": 0.9}, r"search_space: unknown parameter 'momentum'; known: lr, steps"),
+        ({"lr": {"loguniform": [0.1, 0.01]}}, r"search_space\.lr: empty range \[0\.1, 0\.01\]"),
+        ({"weight_decay": {"uniform": [0.1, 0.1]}}, r"search_space\.weight_decay: empty range"),
+        ({"steps": {"grid": []}}, r"search_space\.steps: grid is empty"),
+        ({"lr": {"choice": []}}, r"search_space\.lr: choice is empty"),
+        ({"steps": {"uniform": [10, 20]}}, r"search_space\.steps: takes integers"),
+        ({"lr": {"randint": [1, 3]}}, r"search_space\.lr: takes real numbers"),
+        ({"lr": -0.1}, r"search_space\.lr: -0\.1 is out of range \(must be > 0"),
+        ({"aug_strength": {"grid": [0.5, 1.5]}}, r"search_space\.aug_strength: 1\.5 is out of range"),
+        ({"steps": 12.5}, r"search_space\.steps: expected an integer"),
+        ({"lr": {"loguniform": [0.0, 0.1]}}, r"search_space\.lr: 0\.0 is out of range"),
+        ({"weight_decay": {"loguniform": [0.0, 0.1]}}, r"search_space\.weight_decay: loguniform needs low > 0"),
+        ({"lr": {"normal": [0, 1]}}, r"search_space\.lr: expected a number or one of"),
+        ({"lr": {"uniform": [0.1]}}, r"search_space\.lr: uniform expects \[low, high\]"),
+        ({"lr": "fast"}, r"search_space\.lr: expected a number"),
+    ],
+)
+def test_bad_specs_raise_one_line_naming_the_parameter(spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        SearchSpace.parse(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_the_grid_searcher_refuses_ranges():
+    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}})
+    with pytest.raises(ValueError, match=r"searcher 'grid' takes constants and grid values only; search_space\.lr is loguniform"):
+        space.check_searcher("grid")
+    space.check_searcher("random")  # accepted
+
+
+def test_trial_count_is_the_grid_product_times_samples_for_grid_and_samples_otherwise():
+    space = SearchSpace.parse({"lr": {"grid": [1, 2, 3]}, "steps": {"grid": [10, 20]}, "weight_decay": 0.0})
+    assert space.num_trials("grid", 2) == 12
+    assert space.num_trials("random", 5) == 5
+
+
+def test_pbt_mutates_only_the_searched_parameters_that_can_change_mid_trial():
+    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}, "steps": {"grid": [10, 20]}, "weight_decay": {"choice": [0.0, 1e-4]}})
+    mutations = space.pbt_mutations()
+    assert set(mutations) == {"lr", "weight_decay"}
+    assert mutations["weight_decay"] == [0.0, 1e-4]
+
+
+def test_pbt_without_a_mutable_searched_parameter_is_an_error():
+    with pytest.raises(ValueError, match="scheduler 'pbt' needs at least one of lr, weight_decay, aug_strength searched"):
+        SearchSpace.parse({"lr": 0.01, "steps": {"grid": [10, 20]}}).pbt_mutations()
+
+
+def test_the_bayes_searcher_uses_an_installed_backend_or_says_none_is_installed():
+    installed = [name for name in ("optuna", "hyperopt") if importlib.util.find_spec(name) is not None]
+    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}})
+    if installed:
+        space.check_searcher("bayes")
+        assert build_search_alg("bayes", "val_top1", "max", 0) is not None
+    else:
+        with pytest.raises(ValueError, match="searcher 'bayes' needs optuna or hyperopt installed; neither is"):
+            space.check_searcher("bayes")
+    assert build_search_alg("grid", "val_top1", "max", 0) is None  # Tune's own grid/random generator
