@@ -147,6 +147,43 @@ def ingest(
         )
 
 
+_CONFIG = typer.Argument(..., help="YAML/JSON stage config.")
+_SETS = typer.Option([], "--set", help="Override a config field: KEY=VALUE (VALUE parsed as JSON when it can be).")
+_RAY = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local).")
+
+
+def _run_stage(module: str, config: str, sets: list[str], ray_address: Optional[str], *, uses_ray: bool = True) -> None:
+    """Load, validate and run one stage; print its result as JSON."""
+    import importlib
+
+    from pipelines.stage_config import parse_overrides
+
+    stage = importlib.import_module(f"pipelines.{module}")
+    cfg = stage.load_config(config, **parse_overrides(sets))
+    _log_progress()
+    run = getattr(stage, f"run_{module}")
+    result = run(cfg, ray_address=ray_address) if uses_ray else run(cfg)
+    typer.echo(result.model_dump_json())
+
+
+@app.command("pretrain")
+def pretrain(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Optional[str] = _RAY) -> None:
+    """Pretrain a model on an ingest output with Ray Train, tracked in MLflow (resumes if interrupted)."""
+    _run_stage("pretrain", config, sets, ray_address)
+
+
+@app.command("finetune")
+def finetune(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Optional[str] = _RAY) -> None:
+    """Fine-tuning sweep on Ray Tune; the best trial is tested and registered in MLflow."""
+    _run_stage("finetune", config, sets, ray_address)
+
+
+@app.command("evaluate")
+def evaluate(config: str = _CONFIG, sets: list[str] = _SETS) -> None:
+    """Few-shot linear evaluation (1/5/10/25-shot) of a pretrained model's frozen features."""
+    _run_stage("evaluate", config, sets, None, uses_ray=False)
+
+
 def main() -> None:  # pragma: no cover - console entry for `python -m pipelines.cli`
     app()
 
