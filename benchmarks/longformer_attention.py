@@ -10,7 +10,7 @@
 All include their projections (Q, K, V and, for the Longformer modules, the
 global ones). Hidden 768, 12 heads, window 256, token 0 global, batch 1.
 
-Time: the fastest of `--reps` passes after a warm-up (median also given); all implementations at one N
+Time: the median and the fastest of `--reps` passes after a warm-up (ratios use medians); all implementations at one N
 run in one process taking turns, so load from elsewhere hits them alike (the
 ratios are what to trust on a shared machine). Memory: each row in a fresh
 process, its peak resident set (VmHWM, reset through /proc/self/clear_refs)
@@ -161,8 +161,8 @@ def _dense_fits(n: int) -> tuple[bool, str]:
 
 
 def _summary(rows: list[dict]) -> dict:
-    def time_of(impl, n, dtype="float32"):
-        return next((r.get("time_s") for r in rows if (r["impl"], r["n"], r["dtype"]) == (impl, n, dtype)), None)
+    def time_of(impl, n, dtype="float32"):  # medians: the ratios quoted are of typical passes
+        return next((r.get("median_s") for r in rows if (r["impl"], r["n"], r["dtype"]) == (impl, n, dtype)), None)
 
     def mem_of(impl, n, dtype="float32"):
         return next((r.get("peak_mem_mib") for r in rows if (r["impl"], r["n"], r["dtype"]) == (impl, n, dtype)), None)
