@@ -1,0 +1,389 @@
+"""A pipeline spec: one YAML file describing ingest → pretrain → fine-tune → evaluate stages.
+
+    name: demo
+    storage: {root: ./vitpipe-work, endpoint_url: null}   # or s3://bucket/prefix
+    tracking_uri: sqlite:///mlflow.db                     # optional, see resolve_tracking_uri
+    defaults:                                             # per stage kind, under each stage's fields
+      finetune: {model: ViT-Ti/4}
+    stages:
+      corpus:   {kind: ingest, source: ./corpus, image_size: 16, patch_size: 4}
+      pretrain: {kind: pretrain, inputs: [corpus], steps: 1200}
+
+A stage is `kind`, `inputs` (upstream stage names, or existing MLflow run ids /
+`runs:/` / `models:/` URIs) and the fields of its kind's config model
+(`pipelines.<kind>.<Kind>Config`). `INPUTS` says which field each input fills
+(e.g. pretrain's `data` from its ingest input, fine-tune's `init` from its
+pretrain input); the pipeline fills `tracking_uri`/`experiment` for every stage
+and, unless a stage sets them, `endpoint_url`, ingest's `output`
+(`<root>/data/<stage>`) and pretrain/fine-tune's `storage` (`<root>/runs`).
+Everything is checked by `load_spec` before anything runs; a problem is one
+`SpecError` line naming the file, the stage and the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, NoReturn, get_args
+
+from pydantic import (
+    BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
+    field_validator, model_serializer, model_validator,
+)
+
+from pipelines.errors import VitpipeError
+from pipelines.stage_config import parse_overrides
+from pipelines.storage import parse_uri
+from pipelines.tracking import resolve_tracking_uri
+
+Kind = Literal["ingest", "pretrain", "finetune", "evaluate"]
+KINDS: tuple[str, ...] = get_args(Kind)
+RUN = "run"  # the pseudo-kind of an input that is an existing MLflow run or model, not a stage
+
+
+class Fill(NamedTuple):
+    """What an input gives its stage: `field` set from the upstream result's `source` attribute."""
+
+    field: str
+    source: str  # attribute of the upstream stage's result; "ref" = the input string itself
+
+
+# Which config field each input fills, by the stage's kind and the input's kind.
+# A kind missing from a row cannot be an input of that stage.
+INPUTS: dict[str, dict[str, Fill]] = {
+    "ingest": {},
+    "pretrain": {"ingest": Fill("data", "output")},
+    "finetune": {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
+    "evaluate": {
+        "ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+        "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref"),
+    },
+}
+# Fields the pipeline owns (one tracking store and experiment, the runner's parent run): not per stage.
+PIPELINE_OWNED = ("tracking_uri", "experiment", "parent_run_id", "ingest_run_id")
+_TOP_KEYS = ("name", "storage", "tracking_uri", "experiment", "defaults", "stages")
+_STAGE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")  # no dots: `--set STAGE.FIELD=VALUE` splits on them
+_RUN_REF = re.compile(r"^([0-9a-f]{32}|runs:/[0-9a-f]{32}(/.*)?|models:/.+)$")
+
+
+class SpecError(VitpipeError):
+    """A spec problem, as one line: `spec FILE: stage 'S' field 'F': cause`."""
+
+
+def config_model(kind: str) -> type[BaseModel]:
+    """The pydantic config model of a stage kind (imported on first use: the stage modules are heavy)."""
+    return getattr(importlib.import_module(f"pipelines.{kind}"), f"{kind.capitalize()}Config")
+
+
+def is_run_ref(ref: str) -> bool:
+    """True for an existing MLflow run id, `runs:/<id>[/path]` or `models:/...` (an input that is not a stage)."""
+    return bool(_RUN_REF.match(ref))
+
+
+class InputRef(NamedTuple):
+    """One resolved input of a stage."""
+
+    ref: str  # as written: a stage name or a run reference
+    kind: str  # the upstream stage's kind, or RUN
+    fill: Fill
+
+
+class StorageSpec(BaseModel):
+    """Where stage outputs go: a local folder or `s3://bucket/prefix` (credentials from the AWS chain)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: str
+    endpoint_url: str | None = None
+
+    @field_validator("root")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        parse_uri(value)  # refuses other schemes and credentials in the URI
+        return value.rstrip("/")
+
+
+class StageSpec(BaseModel):
+    """A stage as written: its kind, its inputs, and its own config fields (everything else in its mapping)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Kind
+    inputs: list[str] = Field(default_factory=list)
+    fields: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        own = {k: v for k, v in data.items() if k not in ("kind", "inputs")}
+        return {**{k: data[k] for k in ("kind", "inputs") if k in data}, "fields": own}
+
+    @model_serializer(mode="wrap")
+    def _flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)  # dumped as written in YAML: kind, inputs, then the fields
+        return {"kind": out["kind"], "inputs": out["inputs"], **out["fields"]}
+
+
+class PipelineSpec(BaseModel):
+    """A validated pipeline: build it with `load_spec` (or `parse_spec`), never half-checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    storage: StorageSpec
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: str = "vitpipe"
+    defaults: dict[Kind, dict[str, Any]] = Field(default_factory=dict)
+    stages: dict[str, StageSpec] = Field(min_length=1)
+    _source: str = PrivateAttr("<spec>")  # the file, for messages
+
+    @field_validator("storage", mode="before")
+    @classmethod
+    def _root_only(cls, value: Any) -> Any:
+        return {"root": value} if isinstance(value, str) else value  # `storage: s3://b/p` shorthand
+
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> PipelineSpec:
+        if info.context and "source" in info.context:
+            self._source = str(info.context["source"])
+        for kind, values in self.defaults.items():
+            for key in values:
+                self._check_key(kind, key, f"defaults '{kind}' field '{key}'")
+        for name in self.stages:
+            if not _STAGE_NAME.match(name) or name in _TOP_KEYS:
+                self._fail(f"stage '{name}'", "a stage name is letters, digits, _ or -, starting with a letter, "
+                           f"and not one of {', '.join(_TOP_KEYS)}")
+        for name, stage in self.stages.items():
+            for ref in stage.inputs:  # missing stages first, then cycles, then kinds (INPUTS alone is acyclic)
+                self._input_kind(name, ref)
+        self.order()
+        for name in self.stages:
+            self.inputs_of(name)
+        for name in self.stages:
+            self._validate_stage(name)
+        return self
+
+    # ------------------------------------------------------------ public API
+
+    def order(self) -> list[str]:
+        """Stage names in dependency order; among stages ready together, file order."""
+        graph = TopologicalSorter({n: [i for i in s.inputs if i in self.stages] for n, s in self.stages.items()})
+        try:
+            graph.prepare()
+        except CycleError as err:
+            cycle = [str(n) for n in err.args[1]]  # each an input of the next
+            self._fail(f"stage '{cycle[-1]}' field 'inputs'", f"dependency cycle: {' -> '.join(cycle)} (each an input of the next)")
+        rank = {n: i for i, n in enumerate(self.stages)}
+        out: list[str] = []
+        while graph.is_active():
+            ready = sorted(graph.get_ready(), key=rank.__getitem__)
+            out.extend(ready)
+            graph.done(*ready)
+        return out
+
+    def upstream(self, name: str) -> list[str]:
+        """The stages `name` reads from (its stage inputs, not run references)."""
+        return [r.ref for r in self.inputs_of(name) if r.kind != RUN]
+
+    def inputs_of(self, name: str) -> list[InputRef]:
+        """Each input of stage `name` with its kind and the field it fills (checked against `INPUTS`)."""
+        stage = self.stages[name]
+        allowed = INPUTS[stage.kind]
+        out: list[InputRef] = []
+        where = f"stage '{name}' field 'inputs'"
+        for ref in stage.inputs:
+            kind = self._input_kind(name, ref)
+            if kind not in allowed:
+                takes = ", ".join("MLflow run ids" if k == RUN else f"{k} stages" for k in allowed) or "no inputs"
+                what = "an MLflow run" if kind == RUN else f"{_a(kind)} stage"
+                self._fail(where, f"'{ref}' is {what}; {_a(stage.kind)} stage takes {takes}")
+            fill = allowed[kind]
+            clash = next((r for r in out if r.fill.field == fill.field), None)
+            if clash is not None:
+                self._fail(where, f"'{clash.ref}' and '{ref}' both give field '{fill.field}'")
+            if fill.field in stage.fields:
+                self._fail(f"stage '{name}' field '{fill.field}'", f"set here and by input '{ref}'; keep one")
+            out.append(InputRef(ref, kind, fill))
+        return out
+
+    def resolved_tracking_uri(self) -> str:
+        """The tracking URI every stage (and the parent run) uses."""
+        return resolve_tracking_uri(self.tracking_uri)
+
+    def resolved_config(self, name: str) -> dict[str, Any]:
+        """Stage `name`'s config fields: kind defaults, under its own fields (overrides applied), plus
+        what the pipeline decides (storage, endpoint, tracking) and run-reference inputs.
+
+        Fields filled from upstream stages' outputs are absent: the runner adds them (`config_for`).
+        """
+        stage = self.stages[name]
+        fields = set(config_model(stage.kind).model_fields)
+        config = {**copy.deepcopy(self.defaults.get(stage.kind, {})), **copy.deepcopy(stage.fields)}
+        root = self.storage.root
+        if "://" not in root:
+            root = os.path.abspath(os.path.expanduser(root))  # Ray workers run in other directories
+        placed = {
+            "output": f"{root}/data/{name}",  # ingest
+            "storage": f"{root}/runs",  # pretrain, fine-tune: Ray Train checkpoints
+            "endpoint_url": self.storage.endpoint_url,
+        }
+        for key, value in placed.items():
+            if key in fields and config.get(key) is None and value is not None:
+                config[key] = value
+        if "tracking_uri" in fields:
+            config["tracking_uri"] = self.resolved_tracking_uri()
+            config["experiment"] = self.experiment
+        for ref in self.inputs_of(name):
+            if ref.kind == RUN:
+                config[ref.fill.field] = ref.ref
+            else:  # a default for it gives way to the upstream output
+                config.pop(ref.fill.field, None)
+        return config
+
+    def config_for(self, name: str, outputs: Mapping[str, Any]) -> BaseModel:
+        """Stage `name`'s validated config model, with its inputs filled from `outputs`
+        (upstream stage name -> its result object or dict), as the runner calls it."""
+        config = self.resolved_config(name)
+        for ref in self.inputs_of(name):
+            if ref.kind != RUN:
+                result = outputs[ref.ref]
+                value = result[ref.fill.source] if isinstance(result, Mapping) else getattr(result, ref.fill.source)
+                config[ref.fill.field] = value
+        return self._validate(name, config)
+
+    # ------------------------------------------------------------ checks
+
+    def _input_kind(self, name: str, ref: str) -> str:
+        if ref in self.stages:
+            return self.stages[ref].kind
+        if is_run_ref(ref):
+            return RUN
+        self._fail(f"stage '{name}' field 'inputs'",
+                   f"no stage '{ref}'{_suggest(ref, self.stages)}, and not an MLflow run id, runs:/ or models:/ URI")
+
+    def _validate_stage(self, name: str) -> None:
+        stage = self.stages[name]
+        for key in stage.fields:
+            self._check_key(stage.kind, key, f"stage '{name}' field '{key}'")
+        config = self.resolved_config(name)
+        model = config_model(stage.kind)
+        filled = {r.fill.field for r in self.inputs_of(name)}
+        for kind, fill in INPUTS[stage.kind].items():
+            if fill.field not in config and fill.field not in filled and model.model_fields[fill.field].is_required():
+                hint = "an ingest stage in inputs" if kind == "ingest" else "a pretrain stage or run id in inputs"
+                self._fail(f"stage '{name}' field '{fill.field}'", f"required: set it or name {hint}")
+        for ref in self.inputs_of(name):
+            if ref.kind != RUN:  # a stand-in: the real value exists only once the upstream stage ran
+                config[ref.fill.field] = f"<{ref.fill.source} of stage {ref.ref}>"
+        self._validate(name, config)
+
+    def _validate(self, name: str, config: dict[str, Any]) -> BaseModel:
+        try:
+            return config_model(self.stages[name].kind).model_validate(config)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            where = f"stage '{name}'" + (f" field '{field}'" if field else "")
+            self._fail(where, str(first["msg"]).removeprefix("Value error, "))
+
+    def _check_key(self, kind: str, key: str, where: str) -> None:
+        if key in PIPELINE_OWNED:
+            self._fail(where, "set by the pipeline for every stage (top-level tracking_uri/experiment), not per stage")
+        known = config_model(kind).model_fields
+        if key not in known:
+            self._fail(where, f"unknown key for {_a(kind)} stage{_suggest(key, known)}")
+
+    def _fail(self, where: str, message: str) -> NoReturn:
+        raise SpecError(f"spec {self._source}: {where}: {message}")
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _where(loc: Sequence[Any]) -> str:
+    """A pydantic error location in spec terms."""
+    parts = [str(p) for p in loc if p != "[key]"]
+    if len(parts) >= 2 and parts[0] == "stages":
+        field = [p for p in parts[2:] if p != "fields"]
+        return f"stage '{parts[1]}'" + (f" field '{'.'.join(field)}'" if field else "")
+    if len(parts) >= 2 and parts[0] == "defaults":
+        return f"defaults '{parts[1]}'" + (f" field '{'.'.join(parts[2:])}'" if parts[2:] else "")
+    return f"field '{'.'.join(parts)}'" if parts else "top level"
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Sequence[str], source: str) -> None:
+    """`--set STAGE.FIELD[.KEY...]=VALUE` (or a top-level key such as `storage.root=...`) into the raw spec."""
+    try:
+        values = parse_overrides(overrides)
+    except ValueError as err:
+        raise SpecError(f"spec {source}: {err}") from None
+    stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
+    for key, value in values.items():
+        path = key.split(".")
+        if path[0] in stages:
+            node, rest = stages[path[0]], path[1:]
+        elif path[0] in _TOP_KEYS:
+            node, rest = data, path
+        else:
+            raise SpecError(f"spec {source}: --set {key}: no stage '{path[0]}'{_suggest(path[0], stages)}")
+        if not rest or not isinstance(node, dict):
+            raise SpecError(f"spec {source}: --set {key}: expected STAGE.FIELD=VALUE")
+        for part in rest[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"spec {source}: --set {key}: '{part}' is not a mapping")
+        node[rest[-1]] = value
+
+
+def parse_spec(data: Any, source: str = "<spec>", overrides: Sequence[str] = ()) -> PipelineSpec:
+    """Validate a spec given as a mapping (e.g. parsed YAML); `source` names it in messages."""
+    if not isinstance(data, dict):
+        raise SpecError(f"spec {source}: must be a mapping of {', '.join(_TOP_KEYS)}, got {type(data).__name__}")
+    data = copy.deepcopy(data)
+    _apply_overrides(data, overrides, source)
+    try:
+        return PipelineSpec.model_validate(data, context={"source": source})
+    except ValidationError as err:
+        first = err.errors()[0]
+        message = "unknown key" if first["type"] == "extra_forbidden" else str(first["msg"]).removeprefix("Value error, ")
+        raise SpecError(f"spec {source}: {_where(first['loc'])}: {message}") from None
+
+
+def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> PipelineSpec:
+    """Read, override (`--set STAGE.FIELD=VALUE`) and validate a spec file; `SpecError` on any problem."""
+    import yaml
+
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SpecError(f"spec {source}: no such file") from None
+    except OSError as err:
+        raise SpecError(f"spec {source}: cannot read ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise SpecError(f"spec {source}: YAML syntax error{at}: {getattr(err, 'problem', None) or err}") from None
+    return parse_spec(data, source, overrides)
+
+
+__all__ = [
+    "INPUTS", "KINDS", "PIPELINE_OWNED", "RUN", "Fill", "InputRef", "Kind", "PipelineSpec", "SpecError",
+    "StageSpec", "StorageSpec", "config_model", "is_run_ref", "load_spec", "parse_spec",
+]

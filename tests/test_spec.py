@@ -1,0 +1,241 @@
+"""The pipeline spec: loading, order, resolved configs, and one-line errors for bad specs (pure Python)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipelines.errors import VitpipeError
+from pipelines.spec import INPUTS, PipelineSpec, SpecError, load_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "pipelines" / "specs"
+
+GOOD = """\
+name: t
+storage: {root: store}
+tracking_uri: sqlite:///t.db
+defaults:
+  finetune: {model: ViT-Ti/4, search_space: {lr: 0.01, steps: 50}, batch_size: 16}
+stages:
+  raw: {kind: ingest, source: corpus, image_size: 16, patch_size: 4}
+  target: {kind: ingest, source: digits, image_size: 16, patch_size: 4}
+  pre: {kind: pretrain, inputs: [raw], model: ViT-Ti/4, steps: 20, warmup_steps: 2}
+  tune: {kind: finetune, inputs: [target, pre], batch_size: 32}
+  scratch: {kind: finetune, inputs: [target]}
+  probe: {kind: evaluate, inputs: [target, pre]}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error_of(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(SpecError) as info:
+        load_spec(path, overrides or [])
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"spec {path}: ")
+    return message
+
+
+def bad(tmp_path: Path, old: str, new: str) -> str:
+    assert old in GOOD
+    return error_of(write(tmp_path, GOOD.replace(old, new)))
+
+
+def test_demo_spec_loads() -> None:
+    spec = load_spec(SPECS / "demo.yaml")
+    assert {s.kind for s in spec.stages.values()} == {"ingest", "pretrain", "finetune", "evaluate"}
+    assert spec.stages["finetune_scratch"].inputs == ["digits"]
+
+
+def test_gpu_cluster_example_spec_loads() -> None:
+    spec = load_spec(SPECS / "imagenet21k_to_cifar.yaml")
+    assert spec.storage.root.startswith("s3://")
+    assert spec.resolved_config("pretrain")["use_gpu"] is True
+
+
+def test_order_is_topological(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD))
+    order = spec.order()
+    assert sorted(order) == sorted(spec.stages)
+    for name in order:
+        for upstream in spec.upstream(name):
+            assert order.index(upstream) < order.index(name)
+
+
+def test_order_follows_dependencies_not_file_order(tmp_path: Path) -> None:
+    text = GOOD.replace("  raw: {kind: ingest, source: corpus, image_size: 16, patch_size: 4}\n", "")
+    text += "  raw: {kind: ingest, source: corpus, image_size: 16, patch_size: 4}\n"
+    order = load_spec(write(tmp_path, text)).order()
+    assert order.index("raw") < order.index("pre")
+
+
+def test_spec_errors_are_vitpipe_errors(tmp_path: Path) -> None:
+    with pytest.raises(VitpipeError):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert error_of(tmp_path / "missing.yaml").endswith(": no such file")
+
+
+def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, "name: t\nstages: {a: [1, 2\n"))
+    assert "YAML syntax error at line" in message
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    message = bad(tmp_path, "name: t\n", "name: t\nstagse: {}\n")
+    assert message.endswith("field 'stagse': unknown key")
+
+
+def test_unknown_stage_key(tmp_path: Path) -> None:
+    message = bad(tmp_path, "steps: 20,", "stepz: 20, steps: 20,")
+    assert message.endswith("stage 'pre' field 'stepz': unknown key for a pretrain stage (did you mean 'steps'?)")
+
+
+def test_unknown_key_in_defaults(tmp_path: Path) -> None:
+    message = bad(tmp_path, "batch_size: 16}", "batch_size: 16, lrr: 1}")
+    assert message.endswith("defaults 'finetune' field 'lrr': unknown key for a finetune stage")
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    message = bad(tmp_path, "steps: 20,", "steps: 20, lr: fast,")
+    assert "stage 'pre' field 'lr': Input should be a valid number" in message
+
+
+def test_wrong_type_from_defaults_names_the_stage(tmp_path: Path) -> None:
+    message = bad(tmp_path, "batch_size: 16}", "batch_size: many}")
+    assert "stage 'scratch' field 'batch_size': Input should be a valid integer" in message
+
+
+def test_stage_model_check_names_the_stage(tmp_path: Path) -> None:
+    message = bad(tmp_path, "warmup_steps: 2", "warmup_steps: 40")
+    assert message.endswith("stage 'pre': warmup_steps (40) must be smaller than steps (20)")
+
+
+def test_unknown_kind(tmp_path: Path) -> None:
+    message = bad(tmp_path, "probe: {kind: evaluate", "probe: {kind: evaluation")
+    assert "stage 'probe' field 'kind': Input should be 'ingest', 'pretrain', 'finetune' or 'evaluate'" in message
+
+
+def test_missing_kind(tmp_path: Path) -> None:
+    assert bad(tmp_path, "probe: {kind: evaluate, ", "probe: {").endswith("stage 'probe' field 'kind': Field required")
+
+
+def test_reference_to_missing_stage(tmp_path: Path) -> None:
+    message = bad(tmp_path, "inputs: [target, pre]}", "inputs: [target, pree]}")
+    assert "stage 'probe' field 'inputs': no stage 'pree' (did you mean 'pre'?)" in message
+
+
+def test_input_of_wrong_kind(tmp_path: Path) -> None:
+    message = bad(tmp_path, "inputs: [raw]", "inputs: [target, scratch]")
+    assert message.endswith("stage 'pre' field 'inputs': 'scratch' is a finetune stage; a pretrain stage takes ingest stages")
+
+
+def test_run_reference_is_not_a_pretrain_input(tmp_path: Path) -> None:
+    message = bad(tmp_path, "inputs: [raw]", "inputs: [raw, runs:/0123456789abcdef0123456789abcdef]")
+    assert "'runs:/0123456789abcdef0123456789abcdef' is an MLflow run; a pretrain stage takes ingest stages" in message
+
+
+def test_two_inputs_for_one_field(tmp_path: Path) -> None:
+    message = bad(tmp_path, "inputs: [target]}", "inputs: [target, raw]}")
+    assert message.endswith("stage 'scratch' field 'inputs': 'target' and 'raw' both give field 'data'")
+
+
+def test_field_set_and_given_by_input(tmp_path: Path) -> None:
+    message = bad(tmp_path, "inputs: [target, pre], batch_size: 32}", "inputs: [target, pre], init: x}")
+    assert message.endswith("stage 'tune' field 'init': set here and by input 'pre'; keep one")
+
+
+def test_required_input_missing(tmp_path: Path) -> None:
+    message = bad(tmp_path, "inputs: [raw], ", "")
+    assert message.endswith("stage 'pre' field 'data': required: set it or name an ingest stage in inputs")
+
+
+def test_cycle(tmp_path: Path) -> None:
+    text = GOOD + "  a: {kind: finetune, inputs: [b, target]}\n  b: {kind: finetune, inputs: [a]}\n"
+    message = error_of(write(tmp_path, text))
+    assert "field 'inputs': dependency cycle: " in message
+    assert ("a -> b -> a" in message) or ("b -> a -> b" in message)
+
+
+def test_pipeline_owned_field_rejected_in_stage(tmp_path: Path) -> None:
+    message = bad(tmp_path, "steps: 20,", "steps: 20, tracking_uri: sqlite:///x.db,")
+    assert "stage 'pre' field 'tracking_uri': set by the pipeline" in message
+
+
+def test_set_override_applied(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD), ["pre.lr=0.01", "pre.model_overrides.depth=3", "storage.root=s3://bucket/p"])
+    config = spec.resolved_config("pre")
+    assert config["lr"] == 0.01 and config["model_overrides"] == {"depth": 3}
+    assert config["storage"] == "s3://bucket/p/runs"
+
+
+def test_set_override_unknown_field_rejected(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, GOOD), ["pre.nosuch=1"])
+    assert message.endswith("stage 'pre' field 'nosuch': unknown key for a pretrain stage")
+
+
+def test_set_override_unknown_stage_rejected(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, GOOD), ["prr.lr=1"])
+    assert message.endswith("--set prr.lr: no stage 'prr' (did you mean 'pre'?)")
+
+
+def test_set_override_without_value_rejected(tmp_path: Path) -> None:
+    assert "--set expects KEY=VALUE" in error_of(write(tmp_path, GOOD), ["pre.lr"])
+
+
+def test_set_override_value_is_validated(tmp_path: Path) -> None:
+    assert "stage 'pre' field 'steps'" in error_of(write(tmp_path, GOOD), ["pre.steps=-1"])
+
+
+def test_defaults_merged_under_stage_fields(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD))
+    tune, scratch = spec.resolved_config("tune"), spec.resolved_config("scratch")
+    assert tune["batch_size"] == 32 and scratch["batch_size"] == 16  # the stage's own field wins
+    assert tune["model"] == scratch["model"] == "ViT-Ti/4"
+    assert "data" not in tune and "init" not in tune  # filled by the runner from the inputs
+
+
+def test_pipeline_fills_storage_and_tracking(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD))
+    ingest, pre = spec.resolved_config("raw"), spec.resolved_config("pre")
+    assert ingest["output"].endswith("/store/data/raw") and Path(ingest["output"]).is_absolute()
+    assert pre["storage"].endswith("/store/runs")
+    assert pre["tracking_uri"].startswith("sqlite:////") and pre["tracking_uri"].endswith("/t.db")
+
+
+def test_run_reference_fills_init(tmp_path: Path) -> None:
+    run = "0123456789abcdef0123456789abcdef"
+    spec = load_spec(write(tmp_path, GOOD.replace("inputs: [target, pre]}", f"inputs: [target, {run}]}}")))
+    assert spec.resolved_config("probe")["init"] == run
+    assert spec.upstream("probe") == ["target"]
+
+
+def test_config_for_fills_inputs_from_upstream_results(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD))
+    outputs = {"target": {"output": "/data/digits"}, "pre": {"final_checkpoint": "runs:/abc/checkpoints/final"}}
+    config = spec.config_for("tune", outputs)
+    assert (config.data, config.init, config.batch_size) == ("/data/digits", "runs:/abc/checkpoints/final", 32)
+
+
+def test_input_table_covers_every_kind() -> None:
+    assert set(INPUTS) == {"ingest", "pretrain", "finetune", "evaluate"}
+    assert INPUTS["pretrain"]["ingest"].field == "data" and INPUTS["finetune"]["pretrain"].field == "init"
+
+
+def test_spec_is_a_validated_model(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD))
+    assert isinstance(spec, PipelineSpec)
+    assert PipelineSpec.model_validate(spec.model_dump()).order() == spec.order()
+
+
+def test_ingest_takes_no_inputs(tmp_path: Path) -> None:
+    message = bad(tmp_path, "target: {kind: ingest, ", "target: {kind: ingest, inputs: [raw], ")
+    assert message.endswith("stage 'target' field 'inputs': 'raw' is an ingest stage; an ingest stage takes no inputs")
