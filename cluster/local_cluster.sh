@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# A multi-node Ray cluster on one machine, for tests and trials: a head plus N worker nodes,
+# each its own raylet with its own CPUs and a custom resource naming it, all on 127.0.0.1.
+#
+#   cluster/local_cluster.sh start [N]   # head + N workers (default 2); prints the addresses
+#   cluster/local_cluster.sh status
+#   cluster/local_cluster.sh stop        # stops this cluster's processes only
+#
+# Settings (environment):
+#   RAY_PORT=6379 DASHBOARD_PORT=8265   GCS and dashboard/Jobs API ports on 127.0.0.1
+#   HEAD_CPUS=1 WORKER_CPUS=1           logical CPUs per node (tests keep these small)
+#   OBJECT_STORE_MB=256                 object store per node (Ray's default of 30% of RAM
+#                                       per node would overcommit /dev/shm N+1 times)
+#   RAY_TMP=/tmp/vitpipe-ray-$RAY_PORT  this cluster's temp dir; `stop` finds its processes by it
+#
+# Token authentication stays on (RAY_AUTH_MODE=token): the token is Ray's usual one
+# (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), generated if there is none and
+# never printed. Clients (vitpipe submit, ray job submit) find it the same way.
+set -euo pipefail
+
+RAY_PORT="${RAY_PORT:-6379}"
+DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
+HEAD_CPUS="${HEAD_CPUS:-1}"
+WORKER_CPUS="${WORKER_CPUS:-1}"
+OBJECT_STORE_MB="${OBJECT_STORE_MB:-256}"
+RAY_TMP="${RAY_TMP:-/tmp/vitpipe-ray-${RAY_PORT}}"
+HOST=127.0.0.1  # loopback only: without it Ray binds the machine's external interface
+export RAY_AUTH_MODE=token
+
+die() { echo "local_cluster: $*" >&2; exit 1; }
+
+ensure_token() {
+  if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then return; fi
+  local path="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+  if [[ ! -s "$path" ]]; then
+    [[ -z "${RAY_AUTH_TOKEN_PATH:-}" ]] || die "RAY_AUTH_TOKEN_PATH=$path is missing or empty"
+    ray get-auth-token --generate > /dev/null  # stdout is the token: keep it off the terminal
+  fi
+}
+
+free_port() {
+  python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+cluster_pids() {
+  # Every Ray process of this cluster carries its temp dir in its arguments.
+  local f pid
+  for f in /proc/[0-9]*/cmdline; do
+    pid="${f#/proc/}"; pid="${pid%/cmdline}"
+    if grep -qaF -- "=${RAY_TMP}" "$f" 2> /dev/null; then echo "$pid"; fi
+  done
+}
+
+start() {
+  local workers="${1:-2}" i
+  [[ "$workers" =~ ^[0-9]+$ ]] || die "worker count must be a number, got '$workers'"
+  [[ -z "$(cluster_pids)" ]] || die "a cluster with temp dir $RAY_TMP is running; stop it first"
+  ensure_token
+  mkdir -p "$RAY_TMP"
+  local mem=$((OBJECT_STORE_MB * 1024 * 1024))
+  trap 'echo "local_cluster: start failed (see $RAY_TMP/start.log); stopping what started" >&2; stop' ERR
+  # The dashboard stays on: it serves the Jobs API, and Ray Train V2 needs its state API.
+  # Every node's dashboard agent (which runs submitted jobs) gets a free port: the fixed default
+  # (52365) is taken by any other Ray on the machine, and the Jobs API then has no agent.
+  ray start --head --node-ip-address="$HOST" --port="$RAY_PORT" \
+    --include-dashboard=true --dashboard-host="$HOST" --dashboard-port="$DASHBOARD_PORT" \
+    --num-cpus="$HEAD_CPUS" --object-store-memory="$mem" --resources='{"head": 1}' \
+    --dashboard-agent-listen-port="$(free_port)" \
+    --temp-dir="$RAY_TMP" --disable-usage-stats > "$RAY_TMP/start.log"
+  for ((i = 1; i <= workers; i++)); do
+    # Each worker node gets its own temp dir: nodes sharing one would share runtime_resources/,
+    # and a worker's runtime-env agent then deletes a job's working_dir under the head's driver.
+    ray start --address="$HOST:$RAY_PORT" --node-ip-address="$HOST" \
+      --num-cpus="$WORKER_CPUS" --object-store-memory="$mem" --resources="{\"worker_$i\": 1}" \
+      --dashboard-agent-listen-port="$(free_port)" \
+      --temp-dir="$RAY_TMP/worker-$i" --disable-usage-stats >> "$RAY_TMP/start.log"
+  done
+  trap - ERR
+  echo "Ray cluster up: head + $workers worker node(s) on $HOST"
+  echo "  RAY_ADDRESS=$HOST:$RAY_PORT"
+  echo "  dashboard / Jobs API: http://$HOST:$DASHBOARD_PORT"
+  echo "  node resources: head, worker_1 .. worker_$workers"
+}
+
+status() {
+  ray status --address="$HOST:$RAY_PORT"
+}
+
+stop() {
+  local pids
+  pids="$(cluster_pids)"
+  if [[ -z "$pids" ]]; then echo "no Ray processes with temp dir $RAY_TMP"; return 0; fi
+  # shellcheck disable=SC2086  # one pid per word
+  kill -TERM $pids 2> /dev/null || true
+  for _ in $(seq 1 20); do
+    pids="$(cluster_pids)"
+    [[ -z "$pids" ]] && { echo "stopped the Ray cluster in $RAY_TMP"; return 0; }
+    sleep 0.5
+  done
+  # shellcheck disable=SC2086
+  kill -KILL $pids 2> /dev/null || true
+  echo "stopped the Ray cluster in $RAY_TMP (some processes needed SIGKILL)"
+}
+
+case "${1:-}" in
+  start) shift; start "$@" ;;
+  status) status ;;
+  stop) stop ;;
+  *) echo "usage: $0 start [N] | status | stop" >&2; exit 2 ;;
+esac
