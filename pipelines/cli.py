@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import click
@@ -182,6 +183,158 @@ def finetune(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Option
 def evaluate(config: str = _CONFIG, sets: list[str] = _SETS) -> None:
     """Few-shot linear evaluation (1/5/10/25-shot) of a pretrained model's frozen features."""
     _run_stage("evaluate", config, sets, None, uses_ray=False)
+
+
+def _exit_if_failed(result: Any) -> None:
+    """A pipeline with a failed stage: its one-line error on stderr and exit status 1."""
+    if not result.ok:
+        failed = next((r for r in result.rows if r.status == "failed"), None)
+        reason = f"stage {failed.stage} failed: {failed.error}" if failed else "a stage did not finish"
+        typer.echo(f"error: {reason}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("run")
+def run(
+    spec: str = typer.Argument(..., help="Pipeline spec (YAML), e.g. pipelines/specs/demo.yaml."),
+    sets: list[str] = typer.Option([], "--set", help="Override a field: STAGE.FIELD=VALUE (or a top-level key)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+) -> None:
+    """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
+    from pipelines.runner import run_pipeline
+    from pipelines.spec import load_spec
+
+    pipeline_spec = load_spec(spec, sets)
+    _log_progress()
+    result = run_pipeline(pipeline_spec, ray_address=address)
+    typer.echo(result.table())
+    typer.echo(f"pipeline run {result.run_id} in {pipeline_spec.resolved_tracking_uri()}")
+    _exit_if_failed(result)
+
+
+@app.command("demo")
+def demo(
+    workdir: str = typer.Option("vitpipe-work", "--workdir", help="Where corpora, shards, runs and mlflow.db go."),
+    sets: list[str] = typer.Option([], "--set", help="Override a demo spec field: STAGE.FIELD=VALUE."),
+) -> None:
+    """Pretrain on synthetic fractals, fine-tune on digits from it and from scratch, and compare (local, ~15 min)."""
+    from pipelines.demo import run_demo
+
+    _log_progress()
+    result, comparison = run_demo(workdir, sets)
+    typer.echo(result.table())
+    typer.echo(comparison)
+    db = Path(workdir).resolve() / "mlflow.db"
+    typer.echo(f"\nbrowse the runs: mlflow ui --backend-store-uri sqlite:///{db}")
+    _exit_if_failed(result)
+
+
+@app.command("runs")
+def runs(
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="Default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."),
+) -> None:
+    """A table of pipeline runs in the MLflow store."""
+    from pipelines.runner import format_table, pipeline_runs
+
+    rows = pipeline_runs(tracking_uri)
+    if not rows:
+        typer.echo("no pipeline runs")
+        return
+    typer.echo(format_table(list(rows[0]), [list(r.values()) for r in rows]))
+
+
+_ADDRESS = typer.Option(..., "--address", envvar="RAY_ADDRESS", help="The cluster's dashboard, e.g. http://HEAD:8265.")
+
+
+@app.command("submit")
+def submit(
+    spec: str = typer.Argument(..., help="Pipeline spec: inside this project (uploaded with it), or a path the cluster sees."),
+    address: str = _ADDRESS,
+    sets: list[str] = typer.Option([], "--set", help="Override a field: STAGE.FIELD=VALUE."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the job's logs until it ends; exit non-zero unless it succeeded."),
+) -> None:
+    """Run a pipeline spec as a Ray job on a cluster; prints the job id."""
+    from pipelines import jobs
+    from pipelines.spec import load_spec
+
+    load_spec(spec, sets)  # a bad spec fails here, not minutes later on the cluster
+    command = ["run", _job_path(spec), *[arg for s in sets for arg in ("--set", s)]]
+    job_id = jobs.submit(address, command)
+    typer.echo(job_id)
+    if wait:
+        _follow(address, job_id)
+
+
+@app.command("stage")
+def stage(
+    kind: str = typer.Argument(..., help="pretrain, finetune or evaluate."),
+    config: str = _CONFIG,
+    sets: list[str] = _SETS,
+    address: Optional[str] = typer.Option(None, "--address", help="Submit as a Ray job to this cluster's dashboard."),
+    wait: bool = typer.Option(False, "--wait", help="With --address: follow the job until it ends."),
+) -> None:
+    """Run one stage alone: here, or with --address as a Ray job of its own (several can queue on one cluster)."""
+    if kind not in ("pretrain", "finetune", "evaluate"):
+        raise ValueError(f"stage kind {kind!r} is not one of pretrain, finetune, evaluate")
+    if address is None:
+        _run_stage(kind, config, sets, None, uses_ray=kind != "evaluate")
+        return
+    from pipelines import jobs
+
+    job_id = jobs.submit(address, [kind, _job_path(config), *[arg for s in sets for arg in ("--set", s)]])
+    typer.echo(job_id)
+    if wait:
+        _follow(address, job_id)
+
+
+@app.command("status")
+def status(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
+    """A submitted job's status."""
+    from pipelines import jobs
+
+    typer.echo(jobs.status(address, job_id))
+
+
+@app.command("logs")
+def logs(job_id: str = typer.Argument(...), address: str = _ADDRESS,
+         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
+    """A submitted job's output."""
+    from pipelines import jobs
+
+    if follow:
+        _follow(address, job_id)
+    else:
+        typer.echo(jobs.logs(address, job_id), nl=False)
+
+
+@app.command("stop")
+def stop(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
+    """Stop a submitted job."""
+    from pipelines import jobs
+
+    typer.echo("stopping" if jobs.stop(address, job_id) else "not running")
+
+
+def _job_path(path: str) -> str:
+    """`path` as the job sees it: relative to the uploaded project when inside it, else as given
+    (an absolute path is then the cluster's: a shared filesystem, or a local cluster)."""
+    from pipelines.jobs import PROJECT_ROOT
+
+    resolved = Path(path).resolve()
+    if resolved.is_relative_to(PROJECT_ROOT):
+        return str(resolved.relative_to(PROJECT_ROOT))
+    return str(resolved)
+
+
+def _follow(address: str, job_id: str) -> None:
+    from pipelines import jobs
+
+    for chunk in jobs.follow(address, job_id):
+        typer.echo(chunk, nl=False)
+    final = jobs.status(address, job_id)
+    if final != "SUCCEEDED":
+        typer.echo(f"error: job {job_id} {final}; logs: vitpipe logs {job_id} --address {address}", err=True)
+        raise typer.Exit(1)
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m pipelines.cli`
