@@ -68,7 +68,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        # Split along the q/k/v axis, then transpose each: backward then stacks the three
+        # gradients straight into the qkv layout, with no permuted copy after the stack.
+        qkv = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(2))
         impl = self.impl
         if impl == "auto":
             impl = pick_attention(q.device.type, q.dtype, t, q.requires_grad)
