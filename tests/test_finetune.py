@@ -201,6 +201,20 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
 # ---------------------------------------------------------------- bad input
 
 
+def test_a_pbt_sweep_runs_its_trials_in_segments_to_the_last_step(digits_data, pretrained, tmp_path):
+    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="pbt",
+                          search_space={"lr": {"grid": [0.03, 1e-7]}, "steps": 8, "resolution": DIGITS_SIZE},
+                          scheduler="pbt", perturbation_interval=4, eval_interval=4, registry_model=None,
+                          experiment="finetune-pbt")
+    result = run_finetune(config)
+    assert result.num_trials == 2 and set(result.trial_status.values()) == {"completed"}
+    client = MlflowClient(config.tracking_uri)
+    experiment = client.get_experiment_by_name("finetune-pbt").experiment_id
+    for trial in client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result.run_id}'"):
+        steps = {m.step for m in client.get_metric_history(trial.info.run_id, "val_loss")}
+        assert max(steps) == 8, steps  # both segments ran, up to the last step
+
+
 def test_a_sweep_whose_every_trial_fails_raises_one_error_naming_the_cause(digits_data, pretrained, tmp_path):
     config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="all-fail",
                           search_space={"lr": 1e30, "steps": 8, "resolution": DIGITS_SIZE}, registry_model=None,

@@ -91,13 +91,27 @@ def test_pbt_without_a_mutable_searched_parameter_is_an_error():
         SearchSpace.parse({"lr": 0.01, "steps": {"grid": [10, 20]}}).pbt_mutations()
 
 
-def test_the_bayes_searcher_uses_an_installed_backend_or_says_none_is_installed():
-    installed = [name for name in ("optuna", "hyperopt") if importlib.util.find_spec(name) is not None]
-    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}})
-    if installed:
-        space.check_searcher("bayes")
-        assert build_search_alg("bayes", "val_top1", "max", 0) is not None
-    else:
-        with pytest.raises(ValueError, match="searcher 'bayes' needs optuna or hyperopt installed; neither is"):
-            space.check_searcher("bayes")
-    assert build_search_alg("grid", "val_top1", "max", 0) is None  # Tune's own grid/random generator
+def test_the_bayes_searcher_is_optuna_proposing_values_inside_the_space():
+    from ray.tune.search.optuna import OptunaSearch
+
+    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}, "steps": {"grid": [10, 20]}})
+    space.check_searcher("bayes")
+    searcher = build_search_alg("bayes", "val_top1", "max", 0)
+    assert isinstance(searcher, OptunaSearch)
+    assert searcher.set_search_properties("val_top1", "max", space.to_tune("bayes", {"resolution": 16}))
+    proposals = [searcher.suggest(f"trial-{i}") for i in range(5)]
+    assert all(1e-3 <= p["lr"] <= 1e-1 and p["steps"] in (10, 20) for p in proposals)
+    assert len({p["lr"] for p in proposals}) == 5  # sampled, not a constant
+
+
+def test_the_bayes_searcher_without_a_backend_says_none_is_installed(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("optuna", "hyperopt") else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="searcher 'bayes' needs optuna or hyperopt installed; neither is"):
+        SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}}).check_searcher("bayes")
+
+
+def test_grid_and_random_use_tunes_own_variant_generator():
+    assert build_search_alg("grid", "val_top1", "max", 0) is None
+    assert build_search_alg("random", "val_top1", "max", 0) is None
