@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import _free_port
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,19 @@
 """The pipeline runner on the session's real local Ray: a whole spec, ingest → pretrain → fine-tune → evaluate.
 
-One tiny pipeline runs once (module fixture) into a SQLite store, then again;
-the tests read both outcomes. A second spec fails in its pretrain stage.
+One tiny pipeline runs once (module fixture), tracked on the session's real
+`mlflow server`, then again; the tests read both outcomes, through `MlflowClient`
+and through the MLflow UI in headless Chromium. A second spec fails in its
+pretrain stage; a third is killed mid-pretrain and run again.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +28,11 @@ pytestmark = pytest.mark.slow
 TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}
 
 
-def write_spec(tmp: Path, corpus: Path, **pretrain_fields) -> Path:
+def write_spec(tmp: Path, corpus: Path, tracking_uri: str | None = None, only: tuple[str, ...] = (), **pretrain_fields) -> Path:
     spec = {
         "name": "tiny",
         "storage": {"root": str(tmp / "work")},
-        "tracking_uri": f"sqlite:///{tmp}/mlflow.db",
+        "tracking_uri": tracking_uri or f"sqlite:///{tmp}/mlflow.db",
         "experiment": "runner-tests",
         "stages": {
             "corpus": {"kind": "ingest", "source": str(corpus), "image_size": 16, "patch_size": 4,
@@ -37,6 +45,8 @@ def write_spec(tmp: Path, corpus: Path, **pretrain_fields) -> Path:
             "fewshot": {"kind": "evaluate", "inputs": ["corpus", "pretrain"], "shots": [1, 2], "repeats": 1},
         },
     }
+    if only:
+        spec["stages"] = {name: stage for name, stage in spec["stages"].items() if name in only}
     path = tmp / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -52,9 +62,10 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, corpus, tmp_path_factory) -> tuple[PipelineResult, PipelineResult, MlflowClient]:
+def runs(ray_cluster, mlflow_server, corpus, tmp_path_factory) -> tuple[PipelineResult, PipelineResult, MlflowClient]:
+    """The pipeline run twice, tracked on the real `mlflow server` (artifacts on the S3 server)."""
     tmp = tmp_path_factory.mktemp("runner")
-    spec = load_spec(write_spec(tmp, corpus))
+    spec = load_spec(write_spec(tmp, corpus, tracking_uri=mlflow_server))
     first = run_pipeline(spec)
     second = run_pipeline(spec)
     return first, second, MlflowClient(spec.resolved_tracking_uri())
@@ -107,3 +118,58 @@ def test_a_failing_stage_stops_its_dependents_and_keeps_finished_outputs(ray_clu
     assert (tmp_path / "work" / "data" / "corpus" / "manifest.json").exists()
     client = MlflowClient(spec.resolved_tracking_uri())
     assert client.get_run(result.run_id).info.status == "FAILED"
+
+
+def test_the_fine_tune_trials_are_nested_below_the_fine_tune_stage(runs):
+    first, _, client = runs
+    finetune = next(r.run_id for r in first.rows if r.stage == "finetune")
+    experiment = client.get_run(finetune).info.experiment_id
+    trials = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{finetune}'")
+    assert len(trials) == 1 and trials[0].data.tags["vitpipe.stage"] == "finetune-trial"
+
+
+def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert binary, "headless Chromium is needed (Debian package chromium; .ci/run installs it)"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=30000"]
+    return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_mlflow_ui_shows_the_pipeline_run(runs, mlflow_server, tmp_path):
+    first, _, client = runs
+    experiment = client.get_run(first.run_id).info.experiment_id
+    page = f"{mlflow_server}/#/experiments/{experiment}/runs"
+    dom = _chromium(f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", page).stdout
+    assert "tiny" in dom  # the pipeline run's name, rendered by the UI's run table
+    shot = tmp_path / "runs.png"
+    _chromium(f"--user-data-dir={tmp_path / 'profile-shot'}", f"--screenshot={shot}", "--window-size=1400,900", page)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretraining(ray_cluster, corpus, tmp_path):
+    spec_file = write_spec(tmp_path, corpus, only=("corpus", "pretrain"), steps=12, checkpoint_interval=4)
+    command = [sys.executable, "-m", "pipelines.cli", "run", str(spec_file), "--address", ray_cluster.address]
+    log = tmp_path / "run.log"
+    repo = Path(__file__).resolve().parents[1]
+    with open(log, "ab") as out:
+        first = subprocess.Popen(command, cwd=repo, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        # Recorded by Ray Train (in its snapshot), not merely being written.
+        while not any("checkpoint_00000004" in f.read_text()
+                      for f in (tmp_path / "work" / "runs").glob("*/checkpoint_manager_snapshot.json")):
+            assert first.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "pretraining wrote no checkpoint in time"
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the runner and everything it started, mid-pretrain
+        first.wait()
+    again = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in again.stdout.splitlines()[1:3]}
+    assert rows["corpus"][2] == "reused"
+    assert rows["pretrain"][2] == "done"
+    client = MlflowClient(load_spec(spec_file).resolved_tracking_uri())
+    tags = client.get_run(rows["pretrain"][-1]).data.tags
+    assert int(tags["vitpipe.resumed_from_step"]) >= 4  # from its checkpoint, not from step 0
