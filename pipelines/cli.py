@@ -65,6 +65,7 @@ def _log_progress() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+        logger.propagate = False  # a root handler (some libraries add one) would print every line twice
 
 
 @corpus_app.command("synth")
