@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.data import read_manifest
 from pipelines.errors import VitpipeError
 from pipelines.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from pipelines.starting_weights import fetch_starting_weights
 from tests.transfer_fixtures import DIGITS_SIZE
 
 pytestmark = pytest.mark.slow
@@ -116,6 +117,20 @@ def test_the_best_model_is_registered_with_lineage_to_its_pretrain_run_and_data(
     assert tags["vitpipe.finetune_run_id"] == sweep.result.run_id
     assert tags["vitpipe.manifest_hash"] == read_manifest(digits_data)["content_hash"]
     assert versions[0].run_id == sweep.result.run_id
+
+
+def test_the_registered_version_and_the_logged_best_checkpoint_start_the_same_model(sweep):
+    import torch
+
+    registered = fetch_starting_weights(f"models:/digits-transfer/{sweep.result.registered_version}", model_name=None,
+                                        model_overrides={}, tracking_uri=sweep.config.tracking_uri)
+    logged = fetch_starting_weights(f"runs:/{sweep.result.run_id}/checkpoints/best", model_name=None,
+                                    model_overrides={}, tracking_uri=sweep.config.tracking_uri)
+    assert (registered.kind, registered.source_run_id) == ("registry", sweep.result.run_id)
+    assert logged.kind == "run"
+    theirs = logged.model.state_dict()
+    for name, tensor in registered.model.state_dict().items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=0, msg=name)
 
 
 def test_fine_tuning_at_twice_the_pretraining_resolution_starts_at_chance_and_lowers_the_loss(sweep, pretrained):
