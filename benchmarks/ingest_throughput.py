@@ -3,7 +3,8 @@
     python benchmarks/ingest_throughput.py --json                 # 5,000 JPEGs, 256-512 px, to 224/16
     python benchmarks/ingest_throughput.py --images 300 --json    # a quick check
 
-Measured in one run, on one corpus of JPEGs in class folders:
+Measured in one run, on one corpus of JPEGs in class folders, in `--rounds` alternating
+rounds (decode, loop, stage, decode, loop, stage, ...) after a warm-up; medians are reported:
 
 * `decode_resize_per_core`: PIL decode + resize + centre crop only (bytes already in
   memory, `pipelines.images.decode_image`), one process: the per-core ceiling.
@@ -27,6 +28,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=256)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "vitpipe-bench")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode, loop and stage (medians)")
+    parser.add_argument("--s3-rounds", type=int, default=1, help="alternating rounds of the S3 loop and stage")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -159,9 +163,8 @@ def main() -> None:
     local_config = IngestConfig(source=str(root), output=str(args.workdir / "stage-out"), **common)
 
     report: dict[str, object] = {"images": len(keys), "cpus": args.cpus, "sides": [args.min_side, args.max_side],
-                                 "image_size": args.image_size, "patch_size": args.patch_size}
-    report["decode_resize_per_core"] = decode_rate(root, keys, args.image_size)
-    report["loop"] = plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config)
+                                 "image_size": args.image_size, "patch_size": args.patch_size,
+                                 "shard_size": args.shard_size, "rounds": args.rounds}
 
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
     warm = args.workdir / "warm"
@@ -170,9 +173,20 @@ def main() -> None:
         (warm / f"c{c}").mkdir(parents=True)
         for k in keys[c :: CLASSES][:16]:
             shutil.copy(root / k, warm / f"c{c}" / Path(k).name)
-    stage(IngestConfig(source=str(warm), output=str(args.workdir / "warm-out"), **common), 32)
+    # Small shards, so that every CPU's worker process is started (and has imported its libraries)
+    # before the measured runs: a cluster in use has its workers up.
+    warm_common = {**common, "shard_size": 2}
+    stage(IngestConfig(source=str(warm), output=str(args.workdir / "warm-out"), **warm_common), 32)
 
-    report["stage"] = stage(local_config, len(keys))
+    # Alternate the three measurements round by round, so a drifting machine favours none of them.
+    rates: dict[str, list[float]] = {"decode_resize_per_core": [], "loop": [], "stage": []}
+    for _ in range(args.rounds):
+        rates["decode_resize_per_core"].append(decode_rate(root, keys, args.image_size))
+        rates["loop"].append(plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config))
+        rates["stage"].append(stage(local_config, len(keys)))
+    for name, values in rates.items():
+        report[name] = statistics.median(values)
+        report[f"{name}_rounds"] = [round(v, 1) for v in values]
     report["stage_per_core"] = report["stage"] / args.cpus
     report["ratio"] = report["stage"] / report["loop"]
     report["per_core_vs_decode"] = report["stage_per_core"] / report["decode_resize_per_core"]
@@ -186,12 +200,17 @@ def main() -> None:
             client.create_bucket(Bucket="bench")
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(lambda k: client.put_object(Bucket="bench", Key=f"corpus/{k}", Body=(root / k).read_bytes()), keys))
-            report["loop_s3"] = plain_loop(
-                lambda k: client.get_object(Bucket="bench", Key=f"corpus/{k}")["Body"].read(),
-                keys, args.workdir / "loop-out", local_config,
-            )
             s3_config = IngestConfig(source="s3://bench/corpus", output=str(args.workdir / "stage-out"), endpoint_url=url, **common)
-            report["stage_s3"] = stage(s3_config, len(keys))
+            s3_rates: dict[str, list[float]] = {"loop_s3": [], "stage_s3": []}
+            for _ in range(args.s3_rounds):
+                s3_rates["loop_s3"].append(plain_loop(
+                    lambda k: client.get_object(Bucket="bench", Key=f"corpus/{k}")["Body"].read(),
+                    keys, args.workdir / "loop-out", local_config,
+                ))
+                s3_rates["stage_s3"].append(stage(s3_config, len(keys)))
+            for name, values in s3_rates.items():
+                report[name] = statistics.median(values)
+                report[f"{name}_rounds"] = [round(v, 1) for v in values]
             report["ratio_s3"] = report["stage_s3"] / report["loop_s3"]
         finally:
             proc.terminate()

@@ -6,8 +6,9 @@ Ray side: `pipelines.train_loop.train_loop_per_worker` on N workers × 1 torch
 thread, streaming an ingested corpus through Ray Data (`get_dataset_shard` →
 `iter_torch_batches`), DDP over gloo. Plain side: the same model and the same
 `TrainStep` in this process with N torch threads, on the same global batch,
-data already in memory. The plain rate is measured before Ray starts and after
-it stops, and averaged, so a drifting machine load does not favour either side.
+data already in memory. Plain and Ray runs alternate for `--rounds` rounds, each
+after its own warm-up steps, and the medians are compared, so a drifting machine
+load does not favour either side.
 `ratio` = Ray rate / plain rate: what Ray and data streaming cost (target ≥ 0.9).
 
 Prints one JSON object with `--json`, a short table otherwise.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps run before timing starts (both sides)")
     p.add_argument("--steps", type=int, default=30, help="timed steps (both sides)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating plain/Ray rounds (medians reported)")
     # Enough rows that warm-up + timed steps fit in one pass: the timed window is steady-state
     # streaming, not Ray Data's per-pass start-up (seconds here), which long runs amortise.
     p.add_argument("--images", type=int, default=2600, help="corpus size (train split ~90%%)")
@@ -160,14 +163,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {total} steps span more than one pass over the data "
                   f"({steps_per_pass(manifest, args)} steps); the Ray rate includes a pass start-up", file=sys.stderr)
         settings = settings_for(args, manifest, total, checkpoint_interval=args.warmup_steps)
-        before = plain_rate(args, settings, data)
-        ray_ips, precision = ray_rate(args, settings, data, work / "runs")
-        after = plain_rate(args, settings, data)
-    plain = (before + after) / 2
+        # Alternate plain and Ray round by round (each after its own warm-up), so a drifting
+        # machine favours neither; report medians.
+        plain_rates, ray_rates = [], []
+        for i in range(args.rounds):
+            plain_rates.append(plain_rate(args, settings, data))
+            ips, precision = ray_rate(args, settings, data, work / f"runs-{i}")
+            ray_rates.append(ips)
+    plain, ray_ips = statistics.median(plain_rates), statistics.median(ray_rates)
     out = {
         "ray_images_per_s": round(ray_ips, 2),
         "plain_images_per_s": round(plain, 2),
-        "plain_images_per_s_before_after": [round(before, 2), round(after, 2)],
+        "ray_images_per_s_rounds": [round(r, 1) for r in ray_rates],
+        "plain_images_per_s_rounds": [round(r, 1) for r in plain_rates],
         "ratio": round(ray_ips / plain, 3),
         "workers": args.workers,
         "threads_per_worker": 1,
