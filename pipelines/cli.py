@@ -103,6 +103,26 @@ def corpus_digits(
     typer.echo(f"ingest with: vitpipe ingest {dest} OUTPUT --manifest {manifest}")
 
 
+@corpus_app.command("synth-video")
+def corpus_synth_video(
+    dest: str = typer.Argument(..., help="Local directory or s3://bucket/prefix."),
+    videos: int = typer.Option(120, "--videos", help="Number of videos."),
+    classes: int = typer.Option(6, "--classes", help="Number of classes (2-15; some differ only in frame order)."),
+    size: int = typer.Option(32, "--size", help="Frame side in pixels (even)."),
+    frames: int = typer.Option(32, "--frames", help="Typical frames per video (each varies by ±25%)."),
+    seed: int = typer.Option(0, "--seed"),
+    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+) -> None:
+    """Write a generated video corpus (digits moving along class paths) as MP4s in class folders."""
+    from pipelines.video_corpus import synth_video_corpus
+
+    _init_ray(ray_address)
+    result = synth_video_corpus(dest, videos=videos, classes=classes, size=size, frames=frames, seed=seed,
+                                endpoint_url=endpoint_url)
+    typer.echo(f"wrote {result.images} videos in {len(result.classes)} classes to {dest} ({result.seconds:.1f}s)")
+
+
 @app.command("ingest")
 def ingest(
     source: str = typer.Argument(..., help="Corpus: local directory or s3://bucket/prefix of <class>/<file> objects."),
@@ -146,6 +166,55 @@ def ingest(
         typer.echo(
             f"{output}: {c['images']} images (train {c['train']}, val {c['val']}, test {c['test']}), "
             f"{c['rejected']} rejected, {result.shards_written} shards written, {result.shards_reused} reused"
+        )
+
+
+@app.command("video-ingest")
+def video_ingest(
+    source: str = typer.Argument(..., help="Videos: local directory or s3://bucket/prefix of <class>/<file> objects."),
+    output: str = typer.Argument(..., help="Where shards and manifest.json go (local or s3://)."),
+    manifest: Optional[str] = typer.Option(None, "--manifest", help="CSV/Parquet of key,label[,split] instead of class folders."),
+    endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint (default AWS_ENDPOINT_URL)."),
+    frame_size: int = typer.Option(224, "--frame-size", help="Shorter side resized to this, then centre crop."),
+    sampling: str = typer.Option("full", "--sampling", help="full: frames uniformly over the video; clips: clips."),
+    max_frames: int = typer.Option(250, "--max-frames", help="full: at most this many frames per video."),
+    clip_length: int = typer.Option(16, "--clip-length", help="clips: frames per clip."),
+    frame_stride: int = typer.Option(1, "--frame-stride", help="clips: source frames between a clip's frames."),
+    clip_stride: int = typer.Option(16, "--clip-stride", help="clips: source frames between clip starts."),
+    max_clips: int = typer.Option(10, "--max-clips", help="clips: at most this many per video."),
+    val_fraction: float = typer.Option(0.1, "--val-fraction"),
+    test_fraction: float = typer.Option(0.0, "--test-fraction"),
+    max_reject_fraction: float = typer.Option(0.01, "--max-reject-fraction"),
+    shard_size: int = typer.Option(16, "--shard-size", help="Videos per shard."),
+    seed: int = typer.Option(0, "--seed"),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Shard tasks at once (default: all CPUs)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Decode, sample and resize videos into Parquet shards of frames plus manifest.json (resumable)."""
+    from pipelines.video_ingest import VideoIngestConfig, run_video_ingest
+
+    config = VideoIngestConfig(
+        source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, frame_size=frame_size,
+        sampling=sampling, max_frames=max_frames, clip_length=clip_length, frame_stride=frame_stride,
+        clip_stride=clip_stride, max_clips=max_clips, val_fraction=val_fraction, test_fraction=test_fraction,
+        max_reject_fraction=max_reject_fraction, shard_size=shard_size, seed=seed, concurrency=concurrency,
+    )
+    _log_progress()
+    _init_ray(ray_address)
+    result = run_video_ingest(config)
+    if as_json:
+        typer.echo(json.dumps({"output": result.output, "counts": result.counts, "skipped": result.skipped,
+                               "shards_written": result.shards_written, "shards_reused": result.shards_reused,
+                               "content_hash": result.manifest["content_hash"]}))
+    elif result.skipped:
+        typer.echo(f"{output}: already complete for this config ({result.counts['videos']} videos)")
+    else:
+        c = result.counts
+        typer.echo(
+            f"{output}: {c['videos']} videos, {c['frames']} frames (train {c['train']}, val {c['val']}, "
+            f"test {c['test']}), {c['rejected']} rejected, {result.shards_written} shards written, "
+            f"{result.shards_reused} reused"
         )
 
 

@@ -15,6 +15,10 @@ The work is a Ray Data pipeline of two operators:
 The driver only collects per-shard summaries (counts, rejects, hashes), writes
 `manifest.json`, and writes `_SUCCESS` last. A rerun whose `_SUCCESS` holds the
 same config fingerprint does nothing. See `pipelines.shards` for the format.
+
+The video ingest (`pipelines.video_ingest`) runs on the same machinery: its config
+extends `ShardedIngestConfig`, and `run_sharded_ingest` takes an `IngestKind` that
+names the per-shard work and the manifest it assembles.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import os
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,8 +46,9 @@ log = logging.getLogger("vitpipe.ingest")
 PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
 
 
-class IngestConfig(BaseModel):
-    """Configuration of the ingest stage (validated at construction; holds no credentials)."""
+class ShardedIngestConfig(BaseModel):
+    """Fields every ingest stage shares (images here, videos in `pipelines.video_ingest`): where the
+    objects are, where the shards go, splits, sharding, strictness. Holds no credentials."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -51,11 +56,8 @@ class IngestConfig(BaseModel):
     output: str  # s3://bucket/prefix or a local directory
     manifest: str | None = None  # CSV/Parquet with columns key,label[,split]; keys relative to source
     endpoint_url: str | None = None  # S3-compatible endpoint; default AWS_ENDPOINT_URL(_S3) or AWS
-    image_size: int = Field(224, ge=8, le=4096)
-    patch_size: int = Field(16, ge=1, le=512)
     val_fraction: float = Field(0.1, ge=0.0, le=1.0)
     test_fraction: float = Field(0.0, ge=0.0, le=1.0)
-    max_pixels: int = Field(PILLOW_MAX_PIXELS, ge=1)
     max_reject_fraction: float = Field(0.01, ge=0.0, le=1.0)
     seed: int = 0
     shard_size: int = Field(512, ge=1)
@@ -72,9 +74,7 @@ class IngestConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> IngestConfig:
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
+    def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
         if self.val_fraction + self.test_fraction > 1.0:
             raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
         if parse_uri(self.source).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
@@ -86,6 +86,20 @@ class IngestConfig(BaseModel):
         return self.model_dump(
             mode="json", exclude={"output", "endpoint_url", "concurrency", "io_threads", "max_reject_fraction"}
         )
+
+
+class IngestConfig(ShardedIngestConfig):
+    """Configuration of the image ingest stage (validated at construction; holds no credentials)."""
+
+    image_size: int = Field(224, ge=8, le=4096)
+    patch_size: int = Field(16, ge=1, le=512)
+    max_pixels: int = Field(PILLOW_MAX_PIXELS, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> IngestConfig:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
+        return self
 
 
 @dataclass
@@ -101,6 +115,22 @@ class IngestResult:
     seconds: float
 
 
+@dataclass(frozen=True)
+class IngestKind:
+    """What differs between ingest stages that share this machinery.
+
+    `process(plan, config, source, out, fingerprint) -> summary` makes one shard (in a Ray
+    task; a module-level function); `assemble(config, settings, fingerprint, summaries) ->
+    manifest` builds the manifest, whose `counts[noun]` are the kept objects.
+    """
+
+    name: str  # in log lines: "ingest", "video-ingest"
+    format: str  # the output format, part of the config fingerprint
+    noun: str  # "images", "videos"
+    process: Callable[..., dict[str, Any]]
+    assemble: Callable[..., dict[str, Any]]
+
+
 def run_ingest(config: IngestConfig) -> IngestResult:
     """Run (or resume, or skip) the ingest stage.
 
@@ -108,28 +138,35 @@ def run_ingest(config: IngestConfig) -> IngestResult:
     output cannot be reached, and `IngestError` when more than
     `max_reject_fraction` of the objects are rejected.
     """
+    return run_sharded_ingest(config, IMAGES)
+
+
+def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind) -> IngestResult:
+    """The stage flow shared by every ingest: skip a finished output, check the source, run the
+    plan → process pipeline, drop stale shards, write the manifest, apply the rejection
+    threshold, and write `_SUCCESS` last."""
     start = time.perf_counter()
     settings = S3Settings.resolve(config.endpoint_url)
     source = open_store(config.source, settings)
     out = open_store(config.output, settings)
-    fingerprint = shards.fingerprint({"format": shards.FORMAT, **config.identity()})
+    fingerprint = shards.fingerprint({"format": kind.format, **config.identity()})
 
     _check_output(out)
     done = _finished_manifest(out, fingerprint)
     if done is not None:
-        log.info("ingest: %s is complete for this config; nothing to do", config.output)
+        log.info("%s: %s is complete for this config; nothing to do", kind.name, config.output)
         return IngestResult(config.output, done, done["counts"], 0, 0, True, time.perf_counter() - start)
     manifest_store = open_store(config.manifest, settings) if config.manifest else None
     _check_source(source, manifest_store)
     out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
 
-    summaries = _run_pipeline(config, source, manifest_store, out, fingerprint)
+    summaries = _run_pipeline(config, source, manifest_store, out, fingerprint, kind.process)
     _remove_stale_shards(out, {s["key"] for s in summaries})
-    manifest = _assemble_manifest(config, settings, fingerprint, summaries)
+    manifest = kind.assemble(config, settings, fingerprint, summaries)
     out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
     counts = manifest["counts"]
-    total = counts["images"] + counts["rejected"]
+    total = counts[kind.noun] + counts["rejected"]
     if total and counts["rejected"] / total > config.max_reject_fraction:
         first = manifest["rejected"][0]
         raise IngestError(
@@ -140,8 +177,9 @@ def run_ingest(config: IngestConfig) -> IngestResult:
     out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
     written = sum(not s.get("reused") for s in summaries)
     log.info(
-        "ingest: %d images (%d rejected) in %d shards (%d written, %d reused) -> %s",
-        counts["images"], counts["rejected"], len(summaries), written, len(summaries) - written, config.output,
+        "%s: %d %s (%d rejected) in %d shards (%d written, %d reused) -> %s", kind.name,
+        counts[kind.noun], kind.noun, counts["rejected"], len(summaries), written, len(summaries) - written,
+        config.output,
     )
     return IngestResult(config.output, manifest, counts, written, len(summaries) - written, False, time.perf_counter() - start)
 
@@ -190,7 +228,8 @@ def _check_source(source: Store, manifest: Store | None) -> None:
 
 
 def _run_pipeline(
-    config: IngestConfig, source: Store, manifest: Store | None, out: Store, fingerprint: str
+    config: ShardedIngestConfig, source: Store, manifest: Store | None, out: Store, fingerprint: str,
+    process: Callable[..., dict[str, Any]],
 ) -> list[dict[str, Any]]:
     import ray.data
 
@@ -209,7 +248,7 @@ def _run_pipeline(
         ds = ds.map_batches(
             _process_udf,
             batch_size=1,
-            fn_kwargs={"config": config, "source": source, "out": out, "fingerprint": fingerprint},
+            fn_kwargs={"config": config, "source": source, "out": out, "fingerprint": fingerprint, "process": process},
             num_cpus=1,
             compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
         )
@@ -233,7 +272,7 @@ def _error_row(column: str, err: VitpipeError) -> dict[str, Any]:
     return {column: np.array([json.dumps({"error": err.message, "error_type": type(err).__name__})], dtype=object)}
 
 
-def _plan_udf(batch: dict[str, Any], *, config: IngestConfig, source: Store, manifest: Store | None) -> Iterator[dict[str, Any]]:
+def _plan_udf(batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, manifest: Store | None) -> Iterator[dict[str, Any]]:
     try:
         items = ingest_plan.manifest_items(manifest) if manifest is not None else ingest_plan.folder_items(source)
         for index, plan in enumerate(ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed)):
@@ -244,13 +283,14 @@ def _plan_udf(batch: dict[str, Any], *, config: IngestConfig, source: Store, man
 
 
 def _process_udf(
-    batch: dict[str, Any], *, config: IngestConfig, source: Store, out: Store, fingerprint: str
+    batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, out: Store, fingerprint: str,
+    process: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
     plan = json.loads(batch["plan"][0])
     if "error" in plan:
         return {"summary": batch["plan"]}  # pass the planner's error on to the driver
     try:
-        summary = process_shard(plan, config, source, out, fingerprint)
+        summary = process(plan, config, source, out, fingerprint)
     except VitpipeError as err:
         return _error_row("summary", err)
     return {"summary": np.array([json.dumps(summary)], dtype=object)}
@@ -263,10 +303,9 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     """Decode and write one planned shard (or reuse it when already written for this plan); returns its summary."""
     key = shards.shard_key(plan["index"])
     plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
-    fs, path = out.arrow(key)
-    existing = shards.read_summary(fs, path)
-    if existing is not None and existing.get("plan_fingerprint") == plan_fingerprint:
-        return {**existing, "reused": True}
+    existing = existing_summary(out, key, plan_fingerprint)
+    if existing is not None:
+        return existing
 
     size, p = config.image_size, config.patch_size
     grid = size // p
@@ -275,34 +314,22 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     fixed = 0  # rows whose split the manifest fixed
     rejected: list[dict[str, str]] = []
 
-    todo = [i for i, reason in enumerate(plan["reasons"]) if not reason]
-    rejected.extend({"key": plan["keys"][i], "reason": r} for i, r in enumerate(plan["reasons"]) if r)
-    # Remote reads wait on the network, so keep several in flight; local reads need only run ahead.
-    threads = config.io_threads if isinstance(source, S3Store) else 2
-    with ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
-        for i, data in zip(todo, pool.map(lambda i: _fetch(source, plan["keys"][i]), todo)):
-            obj = plan["keys"][i]
-            if isinstance(data, StorageError):
-                rejected.append({"key": obj, "reason": f"unreadable ({data.message.split(': ', 1)[-1]})"})
-                continue
-            try:
-                image = decode_image(data, size, max_pixels=config.max_pixels)
-            except RejectedImage as why:
-                rejected.append({"key": obj, "reason": str(why)})
-                continue
-            patchify(image, p, out=pixels[len(kept["keys"])])
-            kept["keys"].append(obj)
-            kept["labels"].append(plan["labels"][i])
-            kept["splits"].append(plan["splits"][i] or shards.split_of(obj, config.val_fraction, config.test_fraction))
-            fixed += bool(plan["splits"][i])
-            kept["names"].append(plan["names"][i])
+    for i, data in fetch_planned(plan, config, source, rejected):
+        obj = plan["keys"][i]
+        try:
+            image = decode_image(data, size, max_pixels=config.max_pixels)
+        except RejectedImage as why:
+            rejected.append({"key": obj, "reason": str(why)})
+            continue
+        patchify(image, p, out=pixels[len(kept["keys"])])
+        kept["keys"].append(obj)
+        kept["labels"].append(plan["labels"][i])
+        kept["splits"].append(plan["splits"][i] or shards.split_of(obj, config.val_fraction, config.test_fraction))
+        fixed += bool(plan["splits"][i])
+        kept["names"].append(plan["names"][i])
 
     n = len(kept["keys"])
     table = shards.build_table(pixels[:n], kept["labels"], kept["keys"], kept["splits"])
-    by_split = Counter(kept["splits"])
-    by_split_class: dict[str, Counter[str]] = defaultdict(Counter)
-    for split, name in zip(kept["splits"], kept["names"]):
-        by_split_class[split][name] += 1
     summary = {
         "index": plan["index"],
         "key": key,
@@ -310,13 +337,52 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
         "rows": n,
         "fixed_splits": fixed,
         "hash": shards.rows_hash(kept["keys"], kept["labels"], kept["splits"], memoryview(pixels[:n].reshape(-1))),
-        "classes": plan["classes"],
-        "split": dict(by_split),
-        "split_class": {s: dict(c) for s, c in by_split_class.items()},
+        **shard_counts(plan, kept["splits"], kept["names"]),
         "rejected": rejected,
     }
     shards.write_shard(out, key, table, summary, config.compression)
     return summary
+
+
+def existing_summary(out: Store, key: str, plan_fingerprint: str) -> dict[str, Any] | None:
+    """The summary of shard `key` when it was already written for this plan (then it is reused)."""
+    fs, path = out.arrow(key)
+    existing = shards.read_summary(fs, path)
+    if existing is not None and existing.get("plan_fingerprint") == plan_fingerprint:
+        return {**existing, "reused": True}
+    return None
+
+
+def fetch_planned(
+    plan: dict[str, Any], config: ShardedIngestConfig, source: Store, rejected: list[dict[str, str]]
+) -> Iterator[tuple[int, bytes]]:
+    """`(position in plan, bytes)` of the plan's objects, in plan order, read a few at a time.
+
+    Objects the planner refused and objects that cannot be read are appended to
+    `rejected` with their reason instead.
+    """
+    todo = [i for i, reason in enumerate(plan["reasons"]) if not reason]
+    rejected.extend({"key": plan["keys"][i], "reason": r} for i, r in enumerate(plan["reasons"]) if r)
+    # Remote reads wait on the network, so keep several in flight; local reads need only run ahead.
+    threads = config.io_threads if isinstance(source, S3Store) else 2
+    with ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
+        for i, data in zip(todo, pool.map(lambda i: fetch(source, plan["keys"][i]), todo)):
+            if isinstance(data, StorageError):
+                rejected.append({"key": plan["keys"][i], "reason": f"unreadable ({data.message.split(': ', 1)[-1]})"})
+                continue
+            yield i, data
+
+
+def shard_counts(plan: dict[str, Any], splits: list[str], names: list[str]) -> dict[str, Any]:
+    """The per-split and per-split-class counts of a shard's kept rows, and the plan's classes."""
+    by_split_class: dict[str, Counter[str]] = defaultdict(Counter)
+    for split, name in zip(splits, names):
+        by_split_class[split][name] += 1
+    return {
+        "classes": plan["classes"],
+        "split": dict(Counter(splits)),
+        "split_class": {s: dict(c) for s, c in by_split_class.items()},
+    }
 
 
 _buffers: dict[tuple[int, ...], np.ndarray] = {}
@@ -334,7 +400,8 @@ def _pixel_buffer(shape: tuple[int, int, int]) -> np.ndarray:
     return cached[:n]
 
 
-def _fetch(source: Store, key: str) -> bytes | StorageError:
+def fetch(source: Store, key: str) -> bytes | StorageError:
+    """An object's bytes, or the `StorageError` that reading it raised (a per-object rejection)."""
     try:
         return source.read(key)
     except StorageError as exc:
@@ -359,9 +426,9 @@ def _split_source(fixed: int, rows: int) -> str:
     return "manifest" if fixed == rows else "mixed"
 
 
-def _assemble_manifest(
-    config: IngestConfig, settings: S3Settings, fingerprint: str, summaries: list[dict[str, Any]]
-) -> dict[str, Any]:
+def manifest_summary(summaries: list[dict[str, Any]], noun: str) -> dict[str, Any]:
+    """The manifest fields every ingest shares, from the shard summaries: classes, counts
+    (per split, per class, kept `noun` and rejected), split source, rejects, shard list."""
     classes: dict[str, int] = {}
     for s in summaries:
         classes.update(s["classes"])
@@ -372,9 +439,34 @@ def _assemble_manifest(
         for split in shards.SPLITS
     }
     rejected = sorted((r for s in summaries for r in s["rejected"]), key=lambda r: r["key"])
-    grid = config.image_size // config.patch_size
+    return {
+        "classes": classes,
+        "num_classes": len(classes),
+        "counts": {
+            **split_counts,
+            noun: sum(s["rows"] for s in summaries),
+            "rejected": len(rejected),
+            "classes": {name: sum(split_class[sp][name] for sp in shards.SPLITS) for name in classes},
+            "split_classes": split_class,
+        },
+        "split_source": _split_source(sum(s["fixed_splits"] for s in summaries), sum(s["rows"] for s in summaries)),
+        "rejected": rejected,
+        "shards": [{"path": s["key"], "rows": s["rows"], "split": s["split"]} for s in summaries],
+    }
+
+
+def public_config(config: ShardedIngestConfig, settings: S3Settings) -> dict[str, Any]:
+    """The config as recorded in a manifest (the endpoint as resolved, never credentials)."""
     public = config.model_dump(mode="json")
     public["endpoint_url"] = settings.public()["endpoint_url"]
+    return public
+
+
+def _assemble_manifest(
+    config: IngestConfig, settings: S3Settings, fingerprint: str, summaries: list[dict[str, Any]]
+) -> dict[str, Any]:
+    common = manifest_summary(summaries, "images")
+    grid = config.image_size // config.patch_size
     return {
         "format": shards.FORMAT,
         "image_size": config.image_size,
@@ -383,19 +475,13 @@ def _assemble_manifest(
         "grid": [grid, grid],
         "num_patches": grid * grid,
         "patch_dim": config.patch_size**2 * 3,
-        "classes": classes,
-        "num_classes": len(classes),
-        "counts": {
-            **split_counts,
-            "images": sum(s["rows"] for s in summaries),
-            "rejected": len(rejected),
-            "classes": {name: sum(split_class[sp][name] for sp in shards.SPLITS) for name in classes},
-            "split_classes": split_class,
-        },
-        "split_source": _split_source(sum(s["fixed_splits"] for s in summaries), sum(s["rows"] for s in summaries)),
-        "rejected": rejected,
-        "shards": [{"path": s["key"], "rows": s["rows"], "split": s["split"]} for s in summaries],
-        "content_hash": shards.content_hash(config.image_size, config.patch_size, classes, [s["hash"] for s in summaries]),
+        **common,
+        "content_hash": shards.content_hash(
+            config.image_size, config.patch_size, common["classes"], [s["hash"] for s in summaries]
+        ),
         "fingerprint": fingerprint,
-        "config": public,
+        "config": public_config(config, settings),
     }
+
+
+IMAGES = IngestKind("ingest", shards.FORMAT, "images", process_shard, _assemble_manifest)

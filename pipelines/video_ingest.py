@@ -1,0 +1,190 @@
+"""The video ingest stage: video objects → Parquet shards of sampled, resized frames + `manifest.json`.
+
+Video objects (MP4/MOV, MKV/WebM, AVI) in `<class>/<file>` folders or named by a
+CSV/Parquet manifest (key,label[,split]), in a local folder or under `s3://`.
+The stage is the image ingest's machinery (`pipelines.ingest.run_sharded_ingest`)
+with a video shard step: Ray Data streams the listing into shard plans, and CPU
+workers fetch each shard's videos, decode them with PyAV (`pipelines.videos`),
+sample frames (the whole video uniformly, or clips), resize the shorter side to
+`frame_size` and centre-crop, and write the shard atomically. Runs are resumable
+(finished shards of the same plan are reused) and idempotent (a finished output
+with the same config is left alone). Bad objects (corrupt or truncated, zero
+frames, audio only, unsupported container or codec) are rejected with a reason;
+the stage fails with one line only when more than `max_reject_fraction` of the
+objects are rejected. See `pipelines.video_shards` for the format.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from pipelines import shards, video_shards
+from pipelines.ingest import (
+    IngestKind,
+    IngestResult,
+    ShardedIngestConfig,
+    existing_summary,
+    fetch_planned,
+    manifest_summary,
+    public_config,
+    run_sharded_ingest,
+    shard_counts,
+)
+from pipelines.storage import S3Settings, Store
+from pipelines.videos import RejectedVideo, clip_indices, decode_video, full_indices
+
+__all__ = ["VideoIngestConfig", "IngestResult", "run_video_ingest", "process_video_shard"]
+
+MAX_FRAME_PIXELS = 7680 * 4320  # 8K UHD
+
+
+class VideoIngestConfig(ShardedIngestConfig):
+    """Configuration of the video ingest stage (validated at construction; holds no credentials).
+
+    `sampling="full"`: up to `max_frames` frames spread uniformly over each whole video.
+    `sampling="clips"`: clips of `clip_length` frames `frame_stride` apart, starting every
+    `clip_stride` frames, at most `max_clips` per video, stored back to back in the video's row.
+    """
+
+    frame_size: int = Field(224, ge=8, le=2048)  # shorter side resized to this, then centre crop
+    sampling: Literal["full", "clips"] = "full"
+    max_frames: int = Field(250, ge=1, le=8192)
+    clip_length: int = Field(16, ge=1, le=1024)
+    frame_stride: int = Field(1, ge=1, le=1024)
+    clip_stride: int = Field(16, ge=1)
+    max_clips: int = Field(10, ge=1, le=1024)
+    max_pixels: int = Field(MAX_FRAME_PIXELS, ge=1)  # per source frame, checked before decoding
+    shard_size: int = Field(16, ge=1)  # videos per shard (a shard stays under 2 GiB of frames)
+    io_threads: int = Field(4, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _sampling_fields(self) -> VideoIngestConfig:
+        frames = self.max_frames if self.sampling == "full" else self.clip_length * self.max_clips
+        if self.shard_size * frames * self.frame_size**2 * 3 >= 2**31:
+            raise ValueError(
+                f"shard_size {self.shard_size} videos of up to {frames} frames of {self.frame_size}px "
+                "exceed 2 GiB per shard; lower shard_size"
+            )
+        return self
+
+    def sampling_settings(self) -> dict[str, Any]:
+        """The sampling as recorded in the manifest (only the fields the mode uses)."""
+        if self.sampling == "full":
+            return {"mode": "full", "max_frames": self.max_frames}
+        return {"mode": "clips", "clip_length": self.clip_length, "frame_stride": self.frame_stride,
+                "clip_stride": self.clip_stride, "max_clips": self.max_clips}
+
+    def select(self, total: int) -> np.ndarray:
+        """The source frame indices to store for a video of `total` frames."""
+        if self.sampling == "full":
+            return full_indices(total, self.max_frames)
+        return clip_indices(total, self.clip_length, self.frame_stride, self.clip_stride, self.max_clips)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that decide the output's content; the other mode's sampling fields are left out."""
+        unused = {"clip_length", "frame_stride", "clip_stride", "max_clips"} if self.sampling == "full" else {"max_frames"}
+        return {k: v for k, v in super().identity().items() if k not in unused}
+
+
+def run_video_ingest(config: VideoIngestConfig) -> IngestResult:
+    """Run (or resume, or skip) the video ingest stage; `result.counts["videos"]` are the kept videos.
+
+    Raises `StorageError` (one line naming the URI) when the source, manifest or
+    output cannot be reached, and `IngestError` when more than
+    `max_reject_fraction` of the objects are rejected.
+    """
+    return run_sharded_ingest(config, VIDEOS)
+
+
+def process_video_shard(
+    plan: dict[str, Any], config: VideoIngestConfig, source: Store, out: Store, fingerprint: str
+) -> dict[str, Any]:
+    """Decode and write one planned shard of videos (or reuse it when already written for this plan)."""
+    key = shards.shard_key(plan["index"])
+    plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
+    existing = existing_summary(out, key, plan_fingerprint)
+    if existing is not None:
+        return existing
+
+    kept: dict[str, list[Any]] = {k: [] for k in ("frames", "indices", "fps", "keys", "labels", "splits", "names")}
+    source_frames: list[int] = []
+    fixed = 0
+    rejected: list[dict[str, str]] = []
+    for i, data in fetch_planned(plan, config, source, rejected):
+        obj = plan["keys"][i]
+        try:
+            video = decode_video(data, config.frame_size, config.select, max_pixels=config.max_pixels)
+        except RejectedVideo as why:
+            rejected.append({"key": obj, "reason": str(why)})
+            continue
+        del data
+        kept["frames"].append(video.frames)
+        kept["indices"].append(video.indices)
+        kept["fps"].append(float(np.float32(video.fps)))
+        kept["keys"].append(obj)
+        kept["labels"].append(plan["labels"][i])
+        kept["splits"].append(plan["splits"][i] or shards.split_of(obj, config.val_fraction, config.test_fraction))
+        kept["names"].append(plan["names"][i])
+        fixed += bool(plan["splits"][i])
+        source_frames.append(video.total_frames)
+
+    table = video_shards.build_table(
+        kept["frames"], kept["labels"], kept["keys"], kept["splits"], kept["indices"], kept["fps"]
+    )
+    stored = [len(ix) for ix in kept["indices"]]
+    summary = {
+        "index": plan["index"],
+        "key": key,
+        "plan_fingerprint": plan_fingerprint,
+        "rows": len(kept["keys"]),
+        "fixed_splits": fixed,
+        "hash": video_shards.rows_hash(
+            kept["keys"], kept["labels"], kept["splits"], kept["indices"], kept["fps"],
+            (f.reshape(-1).data for f in kept["frames"]),
+        ),
+        **shard_counts(plan, kept["splits"], kept["names"]),
+        "frames": sum(stored),
+        "stats": _stats(stored, source_frames, kept["fps"]),
+        "rejected": rejected,
+    }
+    video_shards.write_shard(out, key, table, summary, config.compression)
+    return summary
+
+
+def _stats(stored: list[int], source: list[int], fps: list[float]) -> dict[str, list[float]]:
+    """[min, max] of stored frames, source frames and fps over a shard's videos (empty lists if none)."""
+    return {name: [min(v), max(v)] if v else [] for name, v in (("stored_frames", stored),
+                                                                 ("source_frames", source), ("fps", fps))}
+
+
+def _assemble_manifest(
+    config: VideoIngestConfig, settings: S3Settings, fingerprint: str, summaries: list[dict[str, Any]]
+) -> dict[str, Any]:
+    common = manifest_summary(summaries, "videos")
+    common["counts"]["frames"] = sum(s["frames"] for s in summaries)
+    stats: dict[str, list[float]] = {}
+    for name in ("stored_frames", "source_frames", "fps"):
+        values = [v for s in summaries for v in s["stats"][name]]
+        stats[name] = [min(values), max(values)] if values else []
+    sampling = config.sampling_settings()
+    return {
+        "format": video_shards.FORMAT,
+        "frame_size": config.frame_size,
+        "height": config.frame_size,
+        "width": config.frame_size,
+        "channels": 3,
+        "sampling": sampling,
+        **common,
+        "stats": stats,
+        "content_hash": video_shards.content_hash(
+            config.frame_size, sampling, common["classes"], [s["hash"] for s in summaries]
+        ),
+        "fingerprint": fingerprint,
+        "config": public_config(config, settings),
+    }
+
+
+VIDEOS = IngestKind("video-ingest", video_shards.FORMAT, "videos", process_video_shard, _assemble_manifest)
