@@ -35,13 +35,39 @@ class _Group(TyperGroup):
     """Turns user-facing errors of any subcommand into `error: <one line>` and exit status 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from pipelines.logfile import start_log_file
+
+        global _log_file
+        _log_file = start_log_file()
         try:
             return super().invoke(ctx)
-        except (VitpipeError, ValidationError, ValueError) as err:
+        except _CLI_EXITS:
+            raise
+        except Exception as err:
             if os.environ.get("VITPIPE_DEBUG"):
                 raise
-            click.echo(f"error: {one_line(err)}", err=True)
-            ctx.exit(1)
+            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(sys.argv[1:]), exc_info=True)
+            expected = isinstance(err, (VitpipeError, ValidationError, ValueError))
+            # Anything else is a bug or an outage: name its type, keep the first line, the log has the rest.
+            fail(one_line(err) if expected else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}")
+
+
+# Exits and usage errors that the CLI framework reports itself (typer.Exit is a RuntimeError).
+_CLI_EXITS = (typer.Exit, typer.Abort, typer.TyperException, click.exceptions.Exit, click.ClickException, click.Abort)
+_log_file: Path | None = None  # this command's log (pipelines.logfile)
+
+
+def fail(message: str) -> None:
+    """Print `error: <message>` and where the details are, and exit with status 1."""
+    from pipelines.logfile import ray_logs_dir
+
+    where = [f"log: {_log_file}"] if _log_file else []
+    ray_logs = ray_logs_dir()
+    if ray_logs:
+        where.append(f"Ray logs: {ray_logs}")
+        logging.getLogger("vitpipe").debug("Ray logs: %s", ray_logs)
+    typer.echo(f"error: {message}" + (f" ({'; '.join(where)})" if where else ""), err=True)
+    raise typer.Exit(1)
 
 
 app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False, help="Distributed ViT pretraining and transfer.")
@@ -59,13 +85,9 @@ def _init_ray(address: Optional[str]) -> None:
 
 def _log_progress() -> None:
     """Show vitpipe's own INFO lines on stderr (not those of botocore and friends)."""
-    logger = logging.getLogger("vitpipe")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False  # a root handler (some libraries add one) would print every line twice
+    from pipelines.logfile import console_handler
+
+    console_handler().setLevel(logging.INFO)
 
 
 @corpus_app.command("synth")
@@ -276,7 +298,7 @@ def run(
 
     pipeline_spec = load_spec(spec, sets)
     _log_progress()
-    result = run_pipeline(pipeline_spec, ray_address=address)
+    result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())
     typer.echo(f"pipeline run {result.run_id} in {pipeline_spec.resolved_tracking_uri()}")
     _exit_if_failed(result)

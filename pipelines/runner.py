@@ -166,6 +166,7 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None) -> Pipel
         except (VitpipeError, ValueError) as err:
             message = str(err).splitlines()[0] if str(err) else type(err).__name__
             logger.error("stage %s failed: %s", name, message)
+            logger.debug("stage %s failed", name, exc_info=True)  # the traceback goes to the command's log file
             pipeline.rows.append(StageRow(name, kind, "failed", time.monotonic() - start, error=message))
             continue
         stage_runs[name] = run_id

@@ -81,6 +81,14 @@ class RayCluster:
     dashboard_url: str
 
 
+@pytest.fixture(scope="session", autouse=True)
+def command_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`vitpipe` commands run by tests (in this process or as subprocesses) log here, not in ~/.vitpipe."""
+    directory = tmp_path_factory.mktemp("vitpipe-logs")
+    os.environ["VITPIPE_LOG_DIR"] = str(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayCluster]:
     """One real local Ray cluster for the session (dashboard on: Train/Tune need its state API)."""

@@ -187,14 +187,16 @@ def test_wrong_secret_is_named_without_showing_it(s3_env, s3_bucket, monkeypatch
 
 
 def test_cli_prints_one_line_and_exits_non_zero(s3_env, tmp_path):
-    env = {**os.environ, **s3_env.env}
+    env = {**os.environ, **s3_env.env, "VITPIPE_LOG_DIR": str(tmp_path / "logs")}
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "ingest", "s3://no-such-bucket/images", str(tmp_path / "out")],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert proc.returncode == 1
-    assert proc.stderr.strip() == "error: s3://no-such-bucket/images: bucket does not exist"
+    [log_file] = (tmp_path / "logs").iterdir()
+    assert proc.stderr.strip() == f"error: s3://no-such-bucket/images: bucket does not exist (log: {log_file})"
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert "Traceback" in log_file.read_text() and s3_env.secret_key not in log_file.read_text()
 
 
 def test_credentials_never_reach_outputs_or_logs(ray_cluster, s3_env, s3_bucket, tmp_path, caplog, capfd):

@@ -1,0 +1,73 @@
+"""The full log of one `vitpipe` command, so that a one-line error can point at the details.
+
+Every command writes vitpipe's own log records (DEBUG and up, tracebacks included)
+to `$VITPIPE_LOG_DIR/vitpipe-<time>-<pid>.log` (default `~/.vitpipe/logs`). Only
+the `vitpipe` logger goes there, never the root logger, so that third-party debug
+output (request headers of S3 clients, for one) cannot carry credentials into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+LOG_DIR_ENV = "VITPIPE_LOG_DIR"
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_dir() -> Path:
+    """Where command logs go: `$VITPIPE_LOG_DIR`, else `~/.vitpipe/logs`."""
+    return Path(os.environ.get(LOG_DIR_ENV) or Path.home() / ".vitpipe" / "logs")
+
+
+def console_handler() -> logging.Handler:
+    """The `vitpipe` logger's stderr handler (WARNING and up unless a command shows progress)."""
+    logger = logging.getLogger("vitpipe")
+    for handler in logger.handlers:
+        if getattr(handler, "_vitpipe_console", False):
+            return handler
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.WARNING)
+    handler._vitpipe_console = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.propagate = False  # a root handler (some libraries add one) would print every line twice
+    return handler
+
+
+def start_log_file() -> Path | None:
+    """Send the `vitpipe` logger's records to a new file for this command; returns its path.
+
+    The file appears with the first record. Also installs the stderr handler.
+    Returns None when the directory cannot be made: a read-only home must not
+    stop a command from running.
+    """
+    console_handler()
+    directory = log_dir()
+    path = directory / f"vitpipe-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path, encoding="utf-8", delay=True)  # no file until something is logged
+    except OSError:
+        return None
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setLevel(logging.DEBUG)
+    logger = logging.getLogger("vitpipe")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)  # each handler keeps its own threshold
+    return path
+
+
+def ray_logs_dir() -> str | None:
+    """This process's Ray session log directory, when Ray is initialised here."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        # No public API names the directory; the node object has known it since Ray 1.x.
+        return str(ray._private.worker._global_node.get_logs_dir_path())  # noqa: SLF001
+    except Exception:  # an unexpected Ray layout must not turn an error report into a crash
+        return None
