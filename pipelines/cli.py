@@ -281,9 +281,10 @@ def _exit_if_failed(result: Any) -> None:
     """A pipeline with a failed stage: its one-line error on stderr and exit status 1."""
     if not result.ok:
         failed = next((r for r in result.rows if r.status == "failed"), None)
-        reason = f"stage {failed.stage} failed: {failed.error}" if failed else "a stage did not finish"
-        typer.echo(f"error: {reason}", err=True)
-        raise typer.Exit(1)
+        fail(f"stage {failed.stage} failed: {failed.error}" if failed else "a stage did not finish")
+
+
+_FORCE = typer.Option([], "--force", help="Run this stage again even if it already finished (repeatable).")
 
 
 @app.command("run")
@@ -291,6 +292,7 @@ def run(
     spec: str = typer.Argument(..., help="Pipeline spec (YAML), e.g. pipelines/specs/demo.yaml."),
     sets: list[str] = typer.Option([], "--set", help="Override a field: STAGE.FIELD=VALUE (or a top-level key)."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
     from pipelines.runner import run_pipeline
@@ -344,13 +346,16 @@ def submit(
     address: str = _ADDRESS,
     sets: list[str] = typer.Option([], "--set", help="Override a field: STAGE.FIELD=VALUE."),
     wait: bool = typer.Option(False, "--wait", help="Follow the job's logs until it ends; exit non-zero unless it succeeded."),
+    force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec as a Ray job on a cluster; prints the job id."""
     from pipelines import jobs
+    from pipelines.runner import check_forced
     from pipelines.spec import load_spec
 
-    load_spec(spec, sets)  # a bad spec fails here, not minutes later on the cluster
-    command = ["run", _job_path(spec), *[arg for s in sets for arg in ("--set", s)]]
+    check_forced(load_spec(spec, sets), force)  # a bad spec fails here, not minutes later on the cluster
+    command = ["run", _job_path(spec), *[arg for s in sets for arg in ("--set", s)],
+               *[arg for name in force for arg in ("--force", name)]]
     job_id = jobs.submit(address, command)
     typer.echo(job_id)
     if wait:

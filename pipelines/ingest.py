@@ -131,20 +131,20 @@ class IngestKind:
     assemble: Callable[..., dict[str, Any]]
 
 
-def run_ingest(config: IngestConfig) -> IngestResult:
-    """Run (or resume, or skip) the ingest stage.
+def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:
+    """Run (or resume, or skip) the ingest stage; `force` rewrites a finished output from scratch.
 
     Raises `StorageError` (one line naming the URI) when the source, manifest or
     output cannot be reached, and `IngestError` when more than
     `max_reject_fraction` of the objects are rejected.
     """
-    return run_sharded_ingest(config, IMAGES)
+    return run_sharded_ingest(config, IMAGES, force=force)
 
 
-def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind) -> IngestResult:
+def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: bool = False) -> IngestResult:
     """The stage flow shared by every ingest: skip a finished output, check the source, run the
     plan → process pipeline, drop stale shards, write the manifest, apply the rejection
-    threshold, and write `_SUCCESS` last."""
+    threshold, and write `_SUCCESS` last. `force` rewrites every shard of the output."""
     start = time.perf_counter()
     settings = S3Settings.resolve(config.endpoint_url)
     source = open_store(config.source, settings)
@@ -152,13 +152,15 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind) -> IngestR
     fingerprint = shards.fingerprint({"format": kind.format, **config.identity()})
 
     _check_output(out)
-    done = _finished_manifest(out, fingerprint)
+    done = None if force else _finished_manifest(out, fingerprint)
     if done is not None:
         log.info("%s: %s is complete for this config; nothing to do", kind.name, config.output)
         return IngestResult(config.output, done, done["counts"], 0, 0, True, time.perf_counter() - start)
     manifest_store = open_store(config.manifest, settings) if config.manifest else None
     _check_source(source, manifest_store)
     out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
+    if force:
+        _remove_stale_shards(out, keep=set())
 
     summaries = _run_pipeline(config, source, manifest_store, out, fingerprint, kind.process)
     _remove_stale_shards(out, {s["key"] for s in summaries})

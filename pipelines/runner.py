@@ -15,18 +15,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines import tracking
 from pipelines.errors import VitpipeError
-from pipelines.spec import PipelineSpec
+from pipelines.spec import INGEST_KINDS, PipelineSpec
 
 logger = logging.getLogger("vitpipe.runner")
 
 PIPELINE_STAGE = "pipeline"
-INGEST_STAGE = "ingest"
 TAG_PIPELINE = "vitpipe.pipeline"
 TAG_STAGE_NAME = "vitpipe.stage_name"
 TAG_UPSTREAM = "vitpipe.upstream_runs"  # "stage=run_id,..." of the stage's upstream stages
@@ -74,8 +73,9 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _key_metric(kind: str, result: Any) -> str:
-    if kind == "ingest":
-        return f"images={result.counts['images']} rejected={result.counts['rejected']}"
+    if kind in INGEST_KINDS:
+        noun = "videos" if kind == "video_ingest" else "images"
+        return f"{noun}={result.counts[noun]} rejected={result.counts['rejected']}"
     if kind == "pretrain":
         top1 = result.metrics.get("val_top1")
         return f"val_top1={top1:.4f}" if top1 is not None else f"train_loss={result.metrics.get('train_loss', float('nan')):.4f}"
@@ -83,22 +83,30 @@ def _key_metric(kind: str, result: Any) -> str:
         return f"test_accuracy={result.test_accuracy:.4f}" if result.test_accuracy is not None else ""
     if kind == "evaluate":
         return " ".join(f"{k}-shot={v:.3f}" for k, v in sorted(result.accuracy.items()))
+    if kind == "video_train":
+        return " ".join(f"{key}={result.metrics[key]:.4f}" for key in ("full_video_top1", "multiview_top1")
+                        if key in result.metrics)
     return ""
 
 
 def _reused(kind: str, result: Any) -> bool:
-    return bool(result.skipped if kind == "ingest" else result.reused)
+    return bool(result.skipped if kind in INGEST_KINDS else result.reused)
 
 
-def _run_ingest_stage(config: Any, client: Any, experiment: str, parent_run_id: str) -> tuple[Any, str]:
-    """Ingest has no tracking of its own: the runner records it as a child run with its manifest."""
-    from pipelines.ingest import run_ingest
+def _run_ingest_stage(kind: str, config: Any, client: Any, experiment: str, parent_run_id: str,
+                      forced: str = "") -> tuple[Any, str]:
+    """Ingests have no tracking of their own: the runner records each as a child run with its manifest."""
+    if kind == "video_ingest":
+        from pipelines.video_ingest import run_video_ingest as run
+    else:
+        from pipelines.ingest import run_ingest as run
 
-    result = run_ingest(config)
+    result = run(config, force=bool(forced))
     manifest = result.manifest
-    digest = tracking.config_hash({"output": config.output, "content_hash": manifest.get("content_hash", "")})
+    identity = {"output": config.output, "content_hash": manifest.get("content_hash", "")}
+    digest = tracking.config_hash({**identity, "forced": forced} if forced else identity)
     run_id, previous = tracking.start_stage_run(
-        client, experiment, INGEST_STAGE, digest, run_name=f"{INGEST_STAGE}-{digest[:12]}", parent_run_id=parent_run_id,
+        client, experiment, kind, digest, run_name=f"{kind}-{digest[:12]}", parent_run_id=parent_run_id,
         tags={"vitpipe.data_uri": tracking.strip_userinfo(config.output),
               "vitpipe.manifest_hash": str(manifest.get("content_hash", ""))},
     )
@@ -118,15 +126,37 @@ def _run_stage(kind: str, config: Any, ray_address: str | None) -> Any:
         from pipelines.finetune import run_finetune
 
         return run_finetune(config, ray_address=ray_address)
+    if kind == "video_train":
+        from pipelines.video_train import run_video_train
+
+        return run_video_train(config, ray_address=ray_address)
     from pipelines.evaluate import run_evaluate
 
     return run_evaluate(config)
 
 
-def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None) -> PipelineResult:
-    """Run every stage of `spec` in dependency order; returns the summary (also printed by the CLI and logged)."""
+def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
+    """The stage names given to `--force`, each checked to be a stage of `spec`."""
+    names = set(force)
+    unknown = sorted(names - set(spec.stages))
+    if unknown:
+        raise VitpipeError(f"--force {unknown[0]}: pipeline {spec.name!r} has no such stage; "
+                           f"its stages are {', '.join(spec.stages)}")
+    return names
+
+
+def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: Iterable[str] = ()) -> PipelineResult:
+    """Run every stage of `spec` in dependency order; returns the summary (also printed by the CLI and logged).
+
+    Stages named in `force` run again even when a finished run has their identity:
+    an ingest rewrites its shards, a tracked stage starts a new run under a new
+    name (so its dependents, whose inputs changed, run again too).
+    """
     import ray
     from mlflow.tracking import MlflowClient
+
+    forced_stages = check_forced(spec, force)
+    stamp = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's forced runs
 
     if not ray.is_initialized():
         ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
@@ -152,12 +182,15 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None) -> Pipel
         logger.info("stage %s (%s): starting", name, kind)
         try:
             config = spec.config_for(name, pipeline.outputs)
-            if kind == "ingest":
-                result, run_id = _run_ingest_stage(config, client, spec.experiment, parent)
+            forced = stamp if name in forced_stages else ""
+            if kind in INGEST_KINDS:
+                result, run_id = _run_ingest_stage(kind, config, client, spec.experiment, parent, forced)
             else:
                 update: dict[str, Any] = {"parent_run_id": parent}
-                ingest_runs = [stage_runs[up] for up in spec.upstream(name) if spec.stages[up].kind == "ingest"]
-                if kind == "pretrain" and ingest_runs:
+                if forced:  # a new name is a new identity: a new run, new checkpoints, nothing resumed
+                    update["run_name"] = f"{name}-forced-{forced}"
+                ingest_runs = [stage_runs[up] for up in spec.upstream(name) if spec.stages[up].kind in INGEST_KINDS]
+                if kind in ("pretrain", "video_train") and ingest_runs:
                     update["ingest_run_id"] = ingest_runs[0]
                 result = _run_stage(kind, config.model_copy(update=update), ray_address)
                 run_id = result.run_id

@@ -42,7 +42,7 @@ from pipelines.stage_config import parse_overrides
 from pipelines.storage import parse_uri
 from pipelines.tracking import resolve_tracking_uri
 
-Kind = Literal["ingest", "pretrain", "finetune", "evaluate"]
+Kind = Literal["ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_train"]
 KINDS: tuple[str, ...] = get_args(Kind)
 RUN = "run"  # the pseudo-kind of an input that is an existing MLflow run or model, not a stage
 
@@ -64,7 +64,12 @@ INPUTS: dict[str, dict[str, Fill]] = {
         "ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
         "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref"),
     },
+    "video_ingest": {},
+    # A VTN's 2-D backbone starts from an image pretrain run (or any run/model reference).
+    "video_train": {"video_ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                    RUN: Fill("init", "ref")},
 }
+INGEST_KINDS = ("ingest", "video_ingest")  # stages that write shards and have no tracking of their own
 # Fields the pipeline owns (one tracking store and experiment, the runner's parent run): not per stage.
 PIPELINE_OWNED = ("tracking_uri", "experiment", "parent_run_id", "ingest_run_id")
 _TOP_KEYS = ("name", "storage", "tracking_uri", "experiment", "defaults", "stages")
@@ -77,8 +82,10 @@ class SpecError(VitpipeError):
 
 
 def config_model(kind: str) -> type[BaseModel]:
-    """The pydantic config model of a stage kind (imported on first use: the stage modules are heavy)."""
-    return getattr(importlib.import_module(f"pipelines.{kind}"), f"{kind.capitalize()}Config")
+    """The pydantic config model of a stage kind, `pipelines.<kind>.<Kind>Config` (e.g. video_train:
+    `VideoTrainConfig`), imported on first use: the stage modules are heavy."""
+    name = "".join(part.capitalize() for part in kind.split("_")) + "Config"
+    return getattr(importlib.import_module(f"pipelines.{kind}"), name)
 
 
 def is_run_ref(ref: str) -> bool:
@@ -278,7 +285,7 @@ class PipelineSpec(BaseModel):
         filled = {r.fill.field for r in self.inputs_of(name)}
         for kind, fill in INPUTS[stage.kind].items():
             if fill.field not in config and fill.field not in filled and model.model_fields[fill.field].is_required():
-                hint = "an ingest stage in inputs" if kind == "ingest" else "a pretrain stage or run id in inputs"
+                hint = f"an {kind} stage in inputs" if kind in INGEST_KINDS else "a pretrain stage or run id in inputs"
                 self._fail(f"stage '{name}' field '{fill.field}'", f"required: set it or name {hint}")
         for ref in self.inputs_of(name):
             if ref.kind != RUN:  # a stand-in: the real value exists only once the upstream stage ran
@@ -384,6 +391,6 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Pi
 
 
 __all__ = [
-    "INPUTS", "KINDS", "PIPELINE_OWNED", "RUN", "Fill", "InputRef", "Kind", "PipelineSpec", "SpecError",
+    "INGEST_KINDS", "INPUTS", "KINDS", "PIPELINE_OWNED", "RUN", "Fill", "InputRef", "Kind", "PipelineSpec", "SpecError",
     "StageSpec", "StorageSpec", "config_model", "is_run_ref", "load_spec", "parse_spec",
 ]

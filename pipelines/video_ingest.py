@@ -89,14 +89,15 @@ class VideoIngestConfig(ShardedIngestConfig):
         return {k: v for k, v in super().identity().items() if k not in unused}
 
 
-def run_video_ingest(config: VideoIngestConfig) -> IngestResult:
+def run_video_ingest(config: VideoIngestConfig, *, force: bool = False) -> IngestResult:
     """Run (or resume, or skip) the video ingest stage; `result.counts["videos"]` are the kept videos.
+    `force` rewrites a finished output from scratch.
 
     Raises `StorageError` (one line naming the URI) when the source, manifest or
     output cannot be reached, and `IngestError` when more than
     `max_reject_fraction` of the objects are rejected.
     """
-    return run_sharded_ingest(config, VIDEOS)
+    return run_sharded_ingest(config, VIDEOS, force=force)
 
 
 def process_video_shard(

@@ -161,6 +161,15 @@ def test_rerun_with_the_same_config_does_nothing(ray_cluster, corpus, ingested):
     assert again.manifest["content_hash"] == ingested.manifest["content_hash"]
 
 
+def test_force_rewrites_every_shard_of_a_finished_output(ray_cluster, corpus, ingested, tmp_path):
+    out = tmp_path / "forced"
+    shutil.copytree(ingested.output, out)
+    again = run_ingest(config(corpus[0], out), force=True)
+    assert not again.skipped
+    assert (again.shards_written, again.shards_reused) == (len(ingested.manifest["shards"]), 0)
+    assert again.manifest["content_hash"] == ingested.manifest["content_hash"]
+
+
 def test_resume_rewrites_only_the_missing_shard(ray_cluster, corpus, ingested, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(ingested.output, out)

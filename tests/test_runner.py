@@ -20,8 +20,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from pipelines.errors import VitpipeError
 from pipelines.runner import PipelineResult, run_pipeline
-from pipelines.spec import load_spec
+from pipelines.spec import PipelineSpec, load_spec
 
 pytestmark = pytest.mark.slow
 
@@ -62,13 +63,23 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, mlflow_server, corpus, tmp_path_factory) -> tuple[PipelineResult, PipelineResult, MlflowClient]:
-    """The pipeline run twice, tracked on the real `mlflow server` (artifacts on the S3 server)."""
-    tmp = tmp_path_factory.mktemp("runner")
-    spec = load_spec(write_spec(tmp, corpus, tracking_uri=mlflow_server))
-    first = run_pipeline(spec)
-    second = run_pipeline(spec)
-    return first, second, MlflowClient(spec.resolved_tracking_uri())
+def tiny_spec(mlflow_server, corpus, tmp_path_factory) -> PipelineSpec:
+    """The tiny pipeline, tracked on the real `mlflow server` (artifacts on the S3 server)."""
+    return load_spec(write_spec(tmp_path_factory.mktemp("runner"), corpus, tracking_uri=mlflow_server))
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tiny_spec) -> tuple[PipelineResult, PipelineResult, MlflowClient]:
+    """The pipeline run twice."""
+    first = run_pipeline(tiny_spec)
+    second = run_pipeline(tiny_spec)
+    return first, second, MlflowClient(tiny_spec.resolved_tracking_uri())
+
+
+@pytest.fixture(scope="module")
+def forced(runs, tiny_spec) -> PipelineResult:
+    """The same pipeline a third time, with `--force fewshot`."""
+    return run_pipeline(tiny_spec, force=["fewshot"])
 
 
 def test_every_stage_runs_in_dependency_order(runs):
@@ -106,6 +117,21 @@ def test_running_the_same_spec_again_reuses_every_stage_and_the_pipeline_run(run
     assert [r.status for r in second.rows] == ["reused"] * 4
     assert second.run_id == first.run_id
     assert [r.run_id for r in second.rows] == [r.run_id for r in first.rows]
+
+
+def test_force_reruns_the_named_stage_as_a_new_run_and_reuses_the_others(runs, forced):
+    first, _, client = runs
+    assert [(r.stage, r.status) for r in forced.rows] == [
+        ("corpus", "reused"), ("pretrain", "reused"), ("finetune", "reused"), ("fewshot", "done")]
+    before = {r.stage: r.run_id for r in first.rows}
+    after = {r.stage: r.run_id for r in forced.rows}
+    assert after["fewshot"] != before["fewshot"] and after["pretrain"] == before["pretrain"]
+    assert client.get_run(after["fewshot"]).data.tags["mlflow.parentRunId"] == forced.run_id
+
+
+def test_forcing_a_stage_the_spec_lacks_is_refused_by_name(tiny_spec):
+    with pytest.raises(VitpipeError, match=r"--force fewshots: pipeline 'tiny' has no such stage; its stages are corpus,"):
+        run_pipeline(tiny_spec, force=["fewshots"])
 
 
 def test_a_failing_stage_stops_its_dependents_and_keeps_finished_outputs(ray_cluster, corpus, tmp_path):
