@@ -137,8 +137,9 @@ def time_rows(plan: list[tuple[str, str]], n: int, reps: int) -> list[dict]:
             for (impl, dtype_name), t in times.items()]
 
 
-def _subprocess(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[object | None, str]:
-    cmd = [sys.executable, __file__, *args]
+def run_script(script: str, args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[object | None, str]:
+    """The JSON that `python script *args` prints last, or None and why it gave none (also for other benchmarks)."""
+    cmd = [sys.executable, script, *args]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
@@ -254,12 +255,12 @@ def main() -> None:
         skipped = [] if fits else [{"impl": "dense", "dtype": "float32", "n": n, "skipped": f"cannot fit: {why}"}]
         by_key = {}
         for impl, dtype_name in plan:
-            mem, why = _subprocess(["--memory-row", impl, dtype_name, str(n)], args.timeout, MEASURE_ENV)
+            mem, why = run_script(__file__, ["--memory-row", impl, dtype_name, str(n)], args.timeout, MEASURE_ENV)
             by_key[(impl, dtype_name)] = mem or {"impl": impl, "dtype": dtype_name, "n": n, "skipped": why}
         # Long sequences get fewer repetitions so the whole run stays within minutes.
         reps = args.reps if n <= 4096 else max(1, args.reps - 1)
         timed_plan = [key for key in plan if "skipped" not in by_key[key]]
-        timed, why = _subprocess(["--time-rows", str(n), *(f"{i}:{d}" for i, d in timed_plan), "--reps", str(reps)],
+        timed, why = run_script(__file__, ["--time-rows", str(n), *(f"{i}:{d}" for i, d in timed_plan), "--reps", str(reps)],
                                  args.timeout * 3)
         for row in timed or []:
             by_key[(row["impl"], row["dtype"])].update(row)

@@ -12,8 +12,11 @@ frames of 64×72 px, each classified by
 
 * full video: `VTN.predict_full_video(video[..., 64×64 centre], num_frames=250)`: one pass over
   250 frames spread over the whole video (the paper's full-video inference);
-* multi-view: `VTN.predict_multiview(video, clips=10, crops=3)`: 30 views of 16
-  frames (10 clips spread over the video × 3 64×64 crops along the width), softmax averaged.
+* multi-view: `VTN.predict_multiview(video, clips=10, crops=3)`: 30 views of a
+  training clip's length, 16 frames (and again for 32, the paper's other setting;
+  `--clip-frames`), 10 clips spread over the video × 3 64×64 crops along the
+  width, softmax averaged. Both modes cost about the same per frame, so the
+  speedup is bounded by the frame counts, 30·L / 250 (1.92 at 16, 3.84 at 32).
 
 After a warm-up of each, the two modes take turns (the first mover alternating)
 for `--rounds` rounds in one process; videos/s are medians over rounds and the
@@ -40,9 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,18 +56,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from longformer_attention import MEASURE_ENV, _rss_kib  # noqa: E402  (the same memory method)
+from longformer_attention import MEASURE_ENV, _rss_kib, run_script  # noqa: E402  (the same memory method)
 
 IMAGE, WIDE, CLASSES, CLIP_FRAMES, FULL_FRAMES, CHUNK = 64, 72, 10, 16, 250, 64
 ENCODERS = ("longformer", "dense", "dense_materialised")
 
 
-def build_model(encoder: str = "longformer") -> nn.Module:
+def build_model(encoder: str = "longformer", clip_frames: int = CLIP_FRAMES) -> nn.Module:
     from vit.vtn import create_vtn
 
     torch.manual_seed(0)
     model = create_vtn("ViT-Ti-VTN", backbone_overrides={"image_size": IMAGE}, num_classes=CLASSES,
-                       num_frames=CLIP_FRAMES).eval()
+                       num_frames=clip_frames).eval()
     if encoder != "longformer":
         for layer in model.encoder.layers:
             layer.attn = DenseSelfAttention(layer.attn, materialise=encoder == "dense_materialised")
@@ -98,9 +99,9 @@ class DenseSelfAttention(nn.Module):
 # ---------------------------------------------------------------- speed
 
 
-def speed(videos: int, video_frames: int, rounds: int) -> dict:
+def speed(videos: int, video_frames: int, rounds: int, clip_frames: int = CLIP_FRAMES) -> dict:
     """Videos/s of full-video and 30-view inference on the same videos, taking turns."""
-    model = build_model()
+    model = build_model(clip_frames=clip_frames)
     gen = torch.Generator().manual_seed(1)
     clips = [torch.rand(1, video_frames, 3, IMAGE, WIDE, generator=gen) for _ in range(videos)]
     left = (WIDE - IMAGE) // 2
@@ -130,11 +131,13 @@ def speed(videos: int, video_frames: int, rounds: int) -> dict:
         "rounds": rounds,
         "full_video": {"frames_per_video": FULL_FRAMES, "videos_per_s": round(videos / statistics.median(times["full_video"]), 3),
                        "times_s": [round(t, 3) for t in times["full_video"]]},
-        "multiview": {"views": 30, "frames_per_video": 30 * CLIP_FRAMES,
+        "multiview": {"views": 30, "clip_frames": clip_frames, "frames_per_video": 30 * clip_frames,
                       "videos_per_s": round(videos / statistics.median(times["multiview"]), 3),
                       "times_s": [round(t, 3) for t in times["multiview"]]},
         "full_vs_multiview_speedup": round(statistics.median(ratios), 2),
         "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+        # Both modes cost about the same per frame, so the frame counts bound the speedup.
+        "frame_count_ratio": round(30 * clip_frames / FULL_FRAMES, 2),
         "threads": torch.get_num_threads(),
     }
 
@@ -173,18 +176,6 @@ def memory_row(encoder: str, frames: int) -> dict:
     return {"encoder": encoder, "frames": frames, "full_video_peak_mib": full_peak, "encoder_peak_mib": encoder_peak}
 
 
-def _subprocess(args: list[str], timeout: float) -> tuple[dict | None, str]:
-    cmd = [sys.executable, __file__, *args]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **MEASURE_ENV})
-    except subprocess.TimeoutExpired:
-        return None, f"did not finish within {timeout:.0f} s"
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()
-        return None, "killed (out of memory?)" if done.returncode < 0 or not tail else f"failed: {tail[-1]}"
-    return json.loads(done.stdout.strip().splitlines()[-1]), ""
-
-
 def _growth(rows: list[dict], frames: list[int]) -> dict:
     """Peak-memory ratio from the fewest to the most frames, per encoder (frames ratio for scale)."""
     out: dict = {"frames_ratio": frames[-1] / frames[0]}
@@ -203,6 +194,9 @@ def main() -> None:
     parser.add_argument("--videos", type=int, default=4, help="videos in the speed comparison")
     parser.add_argument("--video-frames", type=int, default=300, help="frames per video in the speed comparison")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each mode after the warm-up")
+    parser.add_argument("--clip-frames", type=int, nargs="+", default=[CLIP_FRAMES, 2 * CLIP_FRAMES],
+                        help="training clip lengths (the paper trains on 16 or 32); multi-view views have this many "
+                             "frames; the first gives full_vs_multiview_speedup")
     parser.add_argument("--frames", type=int, nargs="+", default=[64, 250, 1000], help="frame counts of the memory rows")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a memory row is given up")
     parser.add_argument("--memory-row", nargs=2, metavar=("ENCODER", "FRAMES"), help=argparse.SUPPRESS)
@@ -221,11 +215,18 @@ def main() -> None:
                    "memory": "peak RSS increase during one pass in a fresh process (VmHWM - VmRSS, "
                              "MALLOC_MMAP_THRESHOLD_=65536), MiB; backbone in chunks of 64 frames"},
     }
-    result.update(speed(args.videos, args.video_frames, args.rounds))
+    runs = [speed(args.videos, args.video_frames, args.rounds, clip) for clip in args.clip_frames]
+    result.update(runs[0])
+    result["by_clip_frames"] = {str(clip): {"full_vs_multiview_speedup": r["full_vs_multiview_speedup"],
+                                            "speedup_range": r["speedup_range"],
+                                            "frame_count_ratio": r["frame_count_ratio"],
+                                            "multiview_videos_per_s": r["multiview"]["videos_per_s"],
+                                            "full_video_videos_per_s": r["full_video"]["videos_per_s"]}
+                                for clip, r in zip(args.clip_frames, runs)}
     rows = []
     for frames in args.frames:
         for encoder in ENCODERS:
-            row, why = _subprocess(["--memory-row", encoder, str(frames)], args.timeout)
+            row, why = run_script(__file__, ["--memory-row", encoder, str(frames)], args.timeout, MEASURE_ENV)
             rows.append(row or {"encoder": encoder, "frames": frames, "skipped": why})
             if not args.json:
                 print(rows[-1], flush=True)
