@@ -301,7 +301,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
         overrides.setdefault("image_size", manifest["image_size"])  # models built here start at the data's size
     start = fetch_starting_weights(
         config.init, model_name=config.model, model_overrides=overrides, tracking_uri=tracking_uri,
-        endpoint_url=config.endpoint_url,
+        endpoint_url=config.endpoint_url, seed=config.seed,
     )
     resolutions = check_resolutions(config, start.model, manifest)
     data, in_memory, batch_size = training_data(config, manifest)

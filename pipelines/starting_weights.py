@@ -179,13 +179,17 @@ def fetch_starting_weights(
     model_overrides: dict[str, Any],
     tracking_uri: str,
     endpoint_url: str | None = None,
+    seed: int = 0,
 ) -> StartingWeights:
     """Load the starting ViT that `init` names (see the module docstring).
 
     `model_name` + `model_overrides` build the model for "none" and foreign
     files; for the other sources they are optional and, when given, must match
     the checkpoint's architecture (a one-line ValueError names the fields).
+    A from-scratch model's random weights are drawn from `seed`.
     """
+    import torch
+
     import vit
 
     kind = init_kind(init)
@@ -194,7 +198,9 @@ def fetch_starting_weights(
     if kind == "scratch":
         if not model_name:
             raise ValueError("model: required when training from scratch (init is none)")
-        model = vit.create_model(model_name, **model_overrides)
+        with torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG
+            torch.manual_seed(seed)
+            model = vit.create_model(model_name, **model_overrides)
     elif kind == "run":
         model, run_id = _from_run(str(init), tracking_uri)
     elif kind == "registry":

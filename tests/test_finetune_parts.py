@@ -233,3 +233,15 @@ def test_config_round_trips_through_yaml(tmp_path):
     path = tmp_path / "finetune.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     assert load_config(path) == config
+
+
+def test_a_from_scratch_start_is_drawn_from_the_seed() -> None:
+    tiny = {"depth": 1, "embed_dim": 16, "num_heads": 2, "mlp_dim": 32, "image_size": 16, "patch_size": 4}
+
+    def weights(seed: int) -> dict:
+        start = fetch_starting_weights(None, model_name="ViT-Ti/16", model_overrides=tiny, tracking_uri="unused", seed=seed)
+        return start.model.state_dict()
+
+    first, again, other = weights(0), weights(0), weights(1)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["patch_embed.proj.weight"], other["patch_embed.proj.weight"])
