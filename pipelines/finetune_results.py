@@ -143,15 +143,16 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
         return vit.load_checkpoint(tmp)
 
 
-def register(client: Any, tracking_uri: str, name: str, model_uri: str, run_id: str, tags: dict[str, str]) -> str:
-    """Register `model_uri` as a new version of `name` (once per stage run); returns the version."""
+def register(client: Any, tracking_uri: str, name: str, model_uri: str, run_id: str, tags: dict[str, str],
+             run_tag: str = TAG_FINETUNE_RUN) -> str:
+    """Register `model_uri` as a new version of `name` (once per stage run, marked by `run_tag`); returns the version."""
     import mlflow
 
     for version in client.search_model_versions(f"name = '{name}'"):
-        if version.tags.get(TAG_FINETUNE_RUN) == run_id:
+        if version.tags.get(run_tag) == run_id:
             return str(version.version)  # this execution registered it before it was interrupted
     mlflow.set_tracking_uri(tracking_uri)
-    version = mlflow.register_model(model_uri, name, tags={**tags, TAG_FINETUNE_RUN: run_id})
+    version = mlflow.register_model(model_uri, name, tags={**tags, run_tag: run_id})
     return str(version.version)
 
 

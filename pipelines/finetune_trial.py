@@ -33,7 +33,7 @@ from pipelines.train_loop import Rank0Log, all_reduce_sum, gather_rng, train_bat
 from pipelines.train_step import (
     LoopSettings,
     TrainStep,
-    build_optimizer,
+    build_loop_optimizer,
     build_scheduler,
     evaluate,
     load_train_state,
@@ -103,12 +103,7 @@ def freeze_backbone(model: nn.Module) -> None:
 
 def build_finetune_optimizer(model: nn.Module, s: TrialSettings) -> torch.optim.Optimizer:
     """SGD with momentum (the paper's fine-tuning optimizer) or AdamW; weight decay on matrices only."""
-    if s.optimizer == "adamw":
-        return build_optimizer(model, s.lr, s.weight_decay, s.betas)
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.SGD(groups, lr=s.lr, momentum=s.momentum)
+    return build_loop_optimizer(model, s)
 
 
 def retarget(optimizer: torch.optim.Optimizer, scheduler: Any, s: TrialSettings) -> None:

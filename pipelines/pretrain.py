@@ -210,24 +210,29 @@ def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, 
     return tree
 
 
-def storage_location(config: PretrainConfig) -> tuple[str, Any]:
+def storage_location(config: Any) -> tuple[str, Any]:
     """`(storage_path, storage_filesystem)` for Ray Train's RunConfig."""
     from pipelines import storage
 
     return storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
 
 
-def build_trainer(config: PretrainConfig, settings: LoopSettings, run_name: str) -> Any:
-    """The `TorchTrainer` of this stage: datasets, scaling, storage, failure and checkpoint policy."""
+def build_trainer(config: Any, settings: LoopSettings, run_name: str, datasets: dict[str, Any] | None = None) -> Any:
+    """The `TorchTrainer` of this stage: datasets, scaling, storage, failure and checkpoint policy.
+
+    `datasets` defaults to the image patch datasets of `config.data`; another
+    modality's stage (e.g. `pipelines.video_train`) passes its own.
+    """
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipelines.data import patch_dataset
+    if datasets is None:
+        from pipelines.data import patch_dataset
 
-    # seed=None: fresh crops on every pass over the data (a fixed seed would repeat epoch 0's crops).
-    datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, endpoint_url=config.endpoint_url)}
-    if settings.val_dataset:
-        datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
+        # seed=None: fresh crops on every pass over the data (a fixed seed would repeat epoch 0's crops).
+        datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, endpoint_url=config.endpoint_url)}
+        if settings.val_dataset:
+            datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
     storage_path, filesystem = storage_location(config)
     resources = config.resources_per_worker or ({"CPU": 1, "GPU": 1} if config.use_gpu else {"CPU": 1})
     return TorchTrainer(
@@ -290,6 +295,33 @@ def _clear_diverged(storage_path: str, filesystem: Any, run_name: str) -> None:
         fs.delete_file(path)
 
 
+def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: str, *, stage: str = STAGE) -> Any:
+    """`trainer.fit()` with the stage's error policy; returns Ray Train's Result.
+
+    Worker errors become one `VitpipeError` line; a run whose loss went NaN/inf
+    raises `TrainingDivergedError` naming the last good checkpoint. `config`
+    needs `storage`, `endpoint_url` and `max_failures`.
+    """
+    _clear_diverged(*storage_location(config), run_name)
+    try:
+        result = trainer.fit()
+    except Exception as err:  # Ray wraps worker errors; give the user one line
+        known = find_vitpipe_error(err)
+        if known is not None:
+            raise known from err
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise VitpipeError(f"{stage}: training failed (max_failures={config.max_failures}): {first}") from err
+    tracking.set_tags(client, run_id, {"vitpipe.storage_path": str(result.path)})
+    diverged = _read_diverged(result)
+    if diverged is not None:
+        last = result.checkpoint.path if result.checkpoint else "none (it diverged before the first checkpoint)"
+        raise TrainingDivergedError(
+            f"{stage} stopped: loss/gradients became non-finite at step {diverged['step']}; "
+            f"the last good checkpoint is kept: {last}"
+        )
+    return result
+
+
 def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
     run = client.get_run(run_id)
     return PretrainResult(
@@ -347,23 +379,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     ok = False
     try:
         trainer = build_trainer(config, settings, run_name)
-        _clear_diverged(*storage_location(config), run_name)
-        try:
-            result = trainer.fit()
-        except Exception as err:  # Ray wraps worker errors; give the user one line
-            known = find_vitpipe_error(err)
-            if known is not None:
-                raise known from err
-            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise VitpipeError(f"pretrain: training failed (max_failures={config.max_failures}): {first}") from err
-        tracking.set_tags(client, run_id, {"vitpipe.storage_path": str(result.path)})
-        diverged = _read_diverged(result)
-        if diverged is not None:
-            last = result.checkpoint.path if result.checkpoint else "none (it diverged before the first checkpoint)"
-            raise TrainingDivergedError(
-                f"pretrain stopped: loss/gradients became non-finite at step {diverged['step']}; "
-                f"the last good checkpoint is kept: {last}"
-            )
+        result = fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
         model_uri = _log_outputs(client, tracking_uri, run_id, result)
         tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
         ok = True

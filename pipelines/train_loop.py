@@ -19,8 +19,8 @@ from torch import nn
 from pipelines.train_step import (
     LoopSettings,
     TrainStep,
+    build_loop_optimizer,
     build_model,
-    build_optimizer,
     build_scheduler,
     evaluate,
     load_train_state,
@@ -61,9 +61,30 @@ def train_batches(shard: Any, s: LoopSettings, rank: int, epoch: int, skip: int)
         epoch, skip = epoch + 1, 0
 
 
-def _val_batches(shard: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batch_inputs(batch: dict[str, torch.Tensor], modality: str) -> tuple[Any, torch.Tensor]:
+    """`(model inputs, labels)` of one batch: patches for images, `(clip, frame indices)` for videos."""
+    if modality == "video":
+        from pipelines.video_data import clip_inputs
+
+        return clip_inputs(batch), batch["label"].long()
+    return batch["patches"], batch["label"].long()
+
+
+def _val_batches(shard: Any, batch_size: int, modality: str = "image") -> Iterator[tuple[Any, torch.Tensor]]:
     for batch in shard.iter_torch_batches(batch_size=batch_size):
-        yield batch["patches"], batch["label"].long()
+        yield batch_inputs(batch, modality)
+
+
+def _build_start_model(s: LoopSettings) -> nn.Module:
+    """`build_model(s)`, with `init_checkpoint` read from the run's storage filesystem (a driver staged it there)."""
+    if not s.init_checkpoint:
+        return build_model(s)
+    import pyarrow.fs as pafs
+
+    fs, _ = _run_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        pafs.copy_files(s.init_checkpoint, tmp, source_filesystem=fs)
+        return build_model(s.model_copy(update={"init_checkpoint": tmp}))
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -169,8 +190,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     amp_dtype = resolve_precision(s.precision, device)
 
     seed_everything(s.seed)  # identical init everywhere; DDP also broadcasts rank 0's weights
-    model = build_model(s).to(device)
-    optimizer = build_optimizer(model, s.lr, s.weight_decay, s.betas)
+    model = _build_start_model(s).to(device)
+    optimizer = build_loop_optimizer(model, s)
     scheduler = build_scheduler(optimizer, s)
     pos: dict[str, Any] = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_val_top1": -1.0}
     resumed_from = None
@@ -214,7 +235,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         micro = []
         for _ in range(s.grad_accum_steps):
             epoch, in_epoch, batch = next(batches)
-            micro.append((batch["patches"], batch["label"].long()))
+            micro.append(batch_inputs(batch, s.modality))
         stats = step_fn(micro)
         finite = bool(torch.isfinite(stats.grad_norm))  # identical on all ranks: grads are all-reduced
         dt = time.perf_counter() - t0
@@ -255,7 +276,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if resumed_from is not None:
             report["resumed_from_step"] = resumed_from
         if do_eval:
-            sums = all_reduce_sum(evaluate(model, _val_batches(val_shard, eval_batch), device, amp_dtype))
+            sums = all_reduce_sum(evaluate(model, _val_batches(val_shard, eval_batch, s.modality), device, amp_dtype))
             last_eval = {"val_loss": float(sums[0] / sums[2]), "val_top1": float(sums[1] / sums[2])}
             log.metrics(last_eval, step)
             log.flush()

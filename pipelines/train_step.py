@@ -32,7 +32,11 @@ class LoopSettings(BaseModel):
 
     model_name: str
     model_overrides: dict[str, Any] = Field(default_factory=dict)
-    init_checkpoint: str | None = None  # a local vit checkpoint dir to start from (fine-tuning)
+    # A vit checkpoint dir to start from: a local path for `build_model`; the Ray Train loop reads it
+    # from the run's storage filesystem (local storage: the same path).
+    init_checkpoint: str | None = None
+    # What a batch holds: "image" patches `(B, N, P·P·C)`, or "video" clips (see `pipelines.video_data`).
+    modality: Literal["image", "video"] = "image"
     steps: int = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "linear"] = "linear"
@@ -40,6 +44,8 @@ class LoopSettings(BaseModel):
     min_lr: float = Field(0.0, ge=0)
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: float = Field(0.9, ge=0, lt=1)  # SGD only
     clip_grad_norm: float | None = 1.0
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     precision: Precision = "auto"
@@ -121,6 +127,21 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
 
 
+def build_sgd_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+    """SGD with momentum (the ViT fine-tuning and VTN recipes); weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+
+
+def build_loop_optimizer(model: nn.Module, s: LoopSettings) -> torch.optim.Optimizer:
+    """The optimizer `s.optimizer` names, over the parameters that take gradients."""
+    if s.optimizer == "sgd":
+        return build_sgd_optimizer(model, s.lr, s.momentum, s.weight_decay)
+    return build_optimizer(model, s.lr, s.weight_decay, s.betas)
+
+
 class WarmupDecay:
     """LR multiplier: linear warm-up from 0 to 1, then cosine or linear decay to `floor`.
 
@@ -155,6 +176,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, s: LoopSettings) -> torch.
 
 
 # ---------------------------------------------------------------- one step
+
+
+def call_model(model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`model(x)`, or `model(*x)` for inputs of several tensors (a video clip and its frame indices)."""
+    return model(*x) if isinstance(x, (tuple, list)) else model(x)
 
 
 @dataclass
@@ -203,7 +229,7 @@ class TrainStep:
             sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with autocast(self.device, self.amp_dtype):
-                    logits = self.model(x)
+                    logits = call_model(self.model, x)
                 loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
                 (loss / accum).backward()
             total += loss.detach()
@@ -231,7 +257,7 @@ def evaluate(
     acc = torch.zeros(3, dtype=torch.float64, device=device)
     for x, y in batches:
         with autocast(device, amp_dtype):
-            logits = model(x)
+            logits = call_model(model, x)
         logits = logits.float()
         acc[0] += F.cross_entropy(logits, y, reduction="sum").double()
         acc[1] += (logits.argmax(-1) == y).sum()
