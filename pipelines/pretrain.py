@@ -15,8 +15,10 @@ its driver dies. A config whose run already finished is not trained again.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -169,7 +171,8 @@ def _model_config(name: str, overrides: dict[str, Any]) -> Any:
 
 
 def loop_settings(
-    config: PretrainConfig, overrides: dict[str, Any], has_val: bool, run_id: str | None, tracking_uri: str | None
+    config: PretrainConfig, overrides: dict[str, Any], has_val: bool, run_id: str | None, tracking_uri: str | None,
+    train_rows: int | None = None,
 ) -> LoopSettings:
     """What every worker receives (no credentials: Ray exports it to its state API)."""
     threads = config.torch_threads
@@ -197,6 +200,7 @@ def loop_settings(
         shuffle_buffer=config.shuffle_buffer,
         torch_threads=threads,
         seed=config.seed,
+        train_rows=train_rows,
         val_dataset="val" if has_val else None,
         mlflow_run_id=run_id,
         tracking_uri=tracking_uri,
@@ -223,14 +227,27 @@ def build_trainer(config: Any, settings: LoopSettings, run_name: str, datasets: 
     `datasets` defaults to the image patch datasets of `config.data`; another
     modality's stage (e.g. `pipelines.video_train`) passes its own.
     """
+    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    dataset_config = None
     if datasets is None:
         from pipelines.data import patch_dataset
 
-        # seed=None: fresh crops on every pass over the data (a fixed seed would repeat epoch 0's crops).
-        datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, endpoint_url=config.endpoint_url)}
+        # Reproducible: every pass over the data has its own seeded file order and crops, chained
+        # into one dataset that covers the run, and Ray Data keeps the rows in that order.
+        passes = 1
+        if settings.train_rows:
+            rows = settings.steps * settings.batch_size_per_worker * settings.grad_accum_steps * config.num_workers
+            passes = max(1, math.ceil(rows / settings.train_rows))
+        datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, seed=config.seed,
+                                           epochs=passes, endpoint_url=config.endpoint_url)}
+        # The context's own options (as Train's defaults) with the order kept; copied, since
+        # Ray's helper for this passes a deprecated field and warns on every run.
+        options = copy.copy(ray.data.DataContext.get_current().execution_options)
+        options.preserve_order = True
+        dataset_config = ray.train.DataConfig(execution_options=options)
         if settings.val_dataset:
             datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
     storage_path, filesystem = storage_location(config)
@@ -249,6 +266,7 @@ def build_trainer(config: Any, settings: LoopSettings, run_name: str, datasets: 
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.keep_last),
         ),
         datasets=datasets,
+        dataset_config=dataset_config,
     )
 
 
@@ -372,7 +390,8 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     if previous:
         logger.info("pretrain: resuming run %s (was %s)", run_id, previous)
 
-    settings = loop_settings(config, overrides, has_val, run_id, tracking_uri)
+    settings = loop_settings(config, overrides, has_val, run_id, tracking_uri,
+                             train_rows=int(manifest.get("counts", {}).get("train", 0)) or None)
     resolved = {**config.model_dump(mode="json"), "model_overrides": overrides, "grad_accum_steps": config.grad_accum_steps}
     tracking.log_params(client, run_id, resolved)
     tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")

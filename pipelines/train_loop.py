@@ -252,7 +252,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         pos.update(step=step, epoch=epoch, batch_in_epoch=in_epoch)
         unlogged.append((step, stats.loss))
         log.metrics(
-            {"lr": stats.lr, "grad_norm": float(stats.grad_norm), "images_per_s": global_batch / dt, "epoch": epoch}, step
+            {"lr": stats.lr, "grad_norm": float(stats.grad_norm), "images_per_s": global_batch / dt,
+             "epoch": step * global_batch / s.train_rows if s.train_rows else epoch}, step
         )
 
         do_eval = val_shard is not None and (step == s.steps or bool(s.eval_interval and step % s.eval_interval == 0))

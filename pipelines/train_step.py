@@ -59,6 +59,7 @@ class LoopSettings(BaseModel):
     torch_threads: int | None = None
     seed: int = 0
     train_dataset: str = "train"
+    train_rows: int | None = None  # rows of the train split: the logged epoch is the fraction of them seen
     val_dataset: str | None = "val"
     mlflow_run_id: str | None = None
     tracking_uri: str | None = None

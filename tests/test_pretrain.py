@@ -209,6 +209,20 @@ def test_rerunning_a_finished_config_trains_nothing_and_keeps_one_run(trained, s
 # ---------------------------------------------------------------- data parallelism
 
 
+def test_the_same_config_trains_the_same_weights_twice(corpus, ray_cluster, tmp_path):
+    """Seeded file order and crops per pass, order kept by Ray Data: a demo's numbers repeat."""
+    weights = []
+    for attempt in ("first", "second"):  # separate storage and tracking: nothing is reused or resumed
+        config = base_config(corpus, tmp_path / attempt, num_workers=1, steps=6, checkpoint_interval=0,
+                             augment=True, shuffle_buffer=64)
+        result = run_pretrain(config)
+        model = tracking.load_model_from_run(result.final_checkpoint, tracking_uri=config.tracking_uri)
+        weights.append(model.state_dict())
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0, msg=name)
+
+
 def _one_step_per_rank(config: dict) -> None:
     """Worker loop: one accumulated TrainStep on rank-specific data; rank 0 reports how the ranks compare."""
     import tempfile
