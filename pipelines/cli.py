@@ -271,6 +271,12 @@ def finetune(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Option
     _run_stage("finetune", config, sets, ray_address)
 
 
+@app.command("video-train")
+def video_train(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Optional[str] = _RAY) -> None:
+    """Train a VTN on a video ingest output (backbone from a pretrain run), evaluate full-video and multi-view."""
+    _run_stage("video_train", config, sets, ray_address)
+
+
 @app.command("evaluate")
 def evaluate(config: str = _CONFIG, sets: list[str] = _SETS) -> None:
     """Few-shot linear evaluation (1/5/10/25-shot) of a pretrained model's frozen features."""
@@ -310,12 +316,13 @@ def run(
 def demo(
     workdir: str = typer.Option("vitpipe-work", "--workdir", help="Where corpora, shards, runs and mlflow.db go."),
     sets: list[str] = typer.Option([], "--set", help="Override a demo spec field: STAGE.FIELD=VALUE."),
+    video: bool = typer.Option(False, "--video", help="The video demo: a VTN on the pretrained ViT, on generated videos."),
 ) -> None:
     """Pretrain on synthetic fractals, fine-tune on digits from it and from scratch, and compare (local, ~15 min)."""
     from pipelines.demo import run_demo
 
     _log_progress()
-    result, comparison = run_demo(workdir, sets)
+    result, comparison = run_demo(workdir, sets, video=video)
     typer.echo(result.table())
     typer.echo(comparison)
     db = Path(workdir).resolve() / "mlflow.db"
@@ -364,21 +371,22 @@ def submit(
 
 @app.command("stage")
 def stage(
-    kind: str = typer.Argument(..., help="pretrain, finetune or evaluate."),
+    kind: str = typer.Argument(..., help="pretrain, finetune, evaluate or video_train."),
     config: str = _CONFIG,
     sets: list[str] = _SETS,
     address: Optional[str] = typer.Option(None, "--address", help="Submit as a Ray job to this cluster's dashboard."),
     wait: bool = typer.Option(False, "--wait", help="With --address: follow the job until it ends."),
 ) -> None:
     """Run one stage alone: here, or with --address as a Ray job of its own (several can queue on one cluster)."""
-    if kind not in ("pretrain", "finetune", "evaluate"):
-        raise ValueError(f"stage kind {kind!r} is not one of pretrain, finetune, evaluate")
+    if kind not in ("pretrain", "finetune", "evaluate", "video_train"):
+        raise ValueError(f"stage kind {kind!r} is not one of pretrain, finetune, evaluate, video_train")
     if address is None:
         _run_stage(kind, config, sets, None, uses_ray=kind != "evaluate")
         return
     from pipelines import jobs
 
-    job_id = jobs.submit(address, [kind, _job_path(config), *[arg for s in sets for arg in ("--set", s)]])
+    command = kind.replace("_", "-")  # the subcommand that runs this kind
+    job_id = jobs.submit(address, [command, _job_path(config), *[arg for s in sets for arg in ("--set", s)]])
     typer.echo(job_id)
     if wait:
         _follow(address, job_id)

@@ -250,7 +250,7 @@ def build_initial_model(config: VideoTrainConfig, num_classes: int, tracking_uri
 
         start = fetch_starting_weights(
             config.init, model_name=config.backbone, model_overrides=config.backbone_overrides,
-            tracking_uri=tracking_uri, endpoint_url=config.endpoint_url,
+            tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, seed=config.seed,
         )
         size = config.frame_size or _square_size(start.model.config.image_size, f"init {start.source}")
         backbone = at_resolution(start.model, size, 0)  # position embeddings resampled to the frame grid

@@ -25,3 +25,12 @@ def test_set_without_equals_is_refused() -> None:
     result = CliRunner().invoke(app, ["evaluate", "x.yaml", "--set", "lr"])
     assert result.exit_code == 1
     assert "--set expects KEY=VALUE, got 'lr'" in result.output
+
+
+def test_video_train_with_a_misspelt_field_fails_with_one_line_naming_it(tmp_path) -> None:
+    spec = tmp_path / "video_train.yaml"
+    spec.write_text("data: /nowhere\nbackbone: ViT-Ti/16\nsteps: 10\ntrain_frams: 8\n")
+    result = CliRunner().invoke(app, ["stage", "video_train", str(spec)])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: video_train config: train_frams")

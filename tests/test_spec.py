@@ -53,6 +53,15 @@ def test_demo_spec_loads() -> None:
     assert spec.stages["finetune_scratch"].inputs == ["digits"]
 
 
+def test_video_demo_spec_loads_with_the_image_demos_pretraining() -> None:
+    video, image = load_spec(SPECS / "video_demo.yaml"), load_spec(SPECS / "demo.yaml")
+    assert video.order() == ["fractals", "videos", "pretrain", "vtn"]
+    assert [ref.fill.field for ref in video.inputs_of("vtn")] == ["data", "init"]
+    # Field for field the same stage, so that after `vitpipe demo` its finished run is reused.
+    assert video.resolved_config("pretrain") == image.resolved_config("pretrain")
+    assert video.resolved_config("fractals") == image.resolved_config("fractals")
+
+
 def test_gpu_cluster_example_spec_loads() -> None:
     spec = load_spec(SPECS / "imagenet21k_to_cifar.yaml")
     assert spec.storage.root.startswith("s3://")
