@@ -18,19 +18,19 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 
 from pipelines import tracking
 from pipelines.stage_config import load_stage_config, stage_main
 from pipelines.errors import VitpipeError, find_vitpipe_error
 from pipelines.train_loop import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, train_loop_per_worker
+from pipelines.recipe import TrainRecipe
 from pipelines.train_step import LoopSettings
 
 logger = logging.getLogger(__name__)
@@ -43,66 +43,22 @@ class TrainingDivergedError(VitpipeError):
     """The loss or gradients became NaN/inf; the last good checkpoint is kept."""
 
 
-class PretrainConfig(BaseModel):
+class PretrainConfig(TrainRecipe):
     """Pretraining stage config; defaults follow the ViT paper's pretraining recipe."""
-
-    model_config = ConfigDict(extra="forbid")
 
     data: str = Field(description="ingest output (local dir or s3://bucket/prefix) holding manifest.json")
     model: str = "ViT-B/16"
     model_overrides: dict[str, Any] = Field(default_factory=dict)
+    augment: bool = True
+    eval_batch_size: int | None = Field(None, gt=0)
+    # The paper's pretraining recipe where it differs from the shared defaults.
     num_workers: int = Field(2, gt=0)
-    use_gpu: bool = False
-    resources_per_worker: dict[str, float] | None = None  # default: 1 CPU (or 1 GPU) per worker
-    torch_threads: int | None = Field(None, gt=0)  # default: the worker's CPU count
     batch_size_per_worker: int = Field(64, gt=0)
-    global_batch_size: int | None = Field(None, gt=0)  # default: workers × per-worker batch (no accumulation)
-    steps: int = Field(gt=0)
     warmup_steps: int = Field(10_000, ge=0)
     schedule: Literal["linear", "cosine"] = "linear"  # the paper decays linearly when pretraining
-    lr: float = Field(1e-3, gt=0)
-    min_lr: float = Field(0.0, ge=0)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    clip_grad_norm: float | None = Field(1.0, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    augment: bool = True
-    shuffle_buffer: int = Field(0, ge=0)
     eval_interval: int = Field(1000, ge=0)  # 0: only at the end
-    eval_batch_size: int | None = Field(None, gt=0)
     checkpoint_interval: int = Field(1000, ge=0)  # 0: only at the end
-    keep_last: int = Field(2, gt=0)  # resumable checkpoints kept; the best model is kept besides
-    log_interval: int = Field(10, gt=0)
-    storage: str = "vitpipe-work/runs"  # local dir or s3://bucket/prefix
-    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// data and storage; credentials from the AWS chain
-    run_name: str | None = None  # default: pretrain-<config hash>
-    seed: int = 0
-    max_failures: int = Field(2, ge=-1)
-    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
-    experiment: str = "vitpipe"
-    parent_run_id: str | None = None
-    ingest_run_id: str | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> PretrainConfig:
-        per_step = self.num_workers * self.batch_size_per_worker
-        if self.global_batch_size is not None and self.global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of "
-                f"num_workers × batch_size_per_worker = {per_step}"
-            )
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
-        return self
-
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step that make up the global batch."""
-        per_step = self.num_workers * self.batch_size_per_worker
-        return (self.global_batch_size or per_step) // per_step
 
 
 class PretrainResult(BaseModel):
@@ -231,25 +187,22 @@ def build_trainer(config: Any, settings: LoopSettings, run_name: str, datasets: 
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    dataset_config = None
     if datasets is None:
         from pipelines.data import patch_dataset
 
         # Reproducible: every pass over the data has its own seeded file order and crops, chained
-        # into one dataset that covers the run, and Ray Data keeps the rows in that order.
-        passes = 1
-        if settings.train_rows:
-            rows = settings.steps * settings.batch_size_per_worker * settings.grad_accum_steps * config.num_workers
-            passes = max(1, math.ceil(rows / settings.train_rows))
+        # into one dataset that covers the run.
         datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, seed=config.seed,
-                                           epochs=passes, endpoint_url=config.endpoint_url)}
-        # The context's own options (as Train's defaults) with the order kept; copied, since
-        # Ray's helper for this passes a deprecated field and warns on every run.
-        options = copy.copy(ray.data.DataContext.get_current().execution_options)
-        options.preserve_order = True
-        dataset_config = ray.train.DataConfig(execution_options=options)
+                                           epochs=config.passes_over(settings.train_rows),
+                                           endpoint_url=config.endpoint_url)}
         if settings.val_dataset:
             datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
+    # Ray Data keeps the rows in the datasets' order (so a seeded run streams the same batches); the
+    # context's own options otherwise, as Train's defaults. Copied, since Ray's helper for this
+    # passes a deprecated field and warns on every run.
+    options = copy.copy(ray.data.DataContext.get_current().execution_options)
+    options.preserve_order = True
+    dataset_config = ray.train.DataConfig(execution_options=options)
     storage_path, filesystem = storage_location(config)
     resources = config.resources_per_worker or ({"CPU": 1, "GPU": 1} if config.use_gpu else {"CPU": 1})
     return TorchTrainer(

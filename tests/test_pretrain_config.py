@@ -30,6 +30,12 @@ def test_global_batch_beyond_one_step_is_reached_by_accumulation():
     assert config(num_workers=2, batch_size_per_worker=16).grad_accum_steps == 1
 
 
+def test_data_passes_cover_every_step_of_the_run():
+    c = config(num_workers=2, batch_size_per_worker=16, global_batch_size=64, steps=10)  # 640 rows in all
+    assert c.global_batch == 64
+    assert [c.passes_over(rows) for rows in (640, 639, 100, 10_000, None)] == [1, 2, 7, 1, 1]
+
+
 def test_defaults_follow_the_papers_pretraining_recipe():
     c = load_config({"data": "/data", "steps": 20_000})
     assert (c.model, c.betas, c.weight_decay, c.clip_grad_norm) == ("ViT-B/16", (0.9, 0.999), 0.1, 1.0)
