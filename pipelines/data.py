@@ -82,7 +82,7 @@ def patches_array(column: Any, num_patches: int, patch_dim: int) -> np.ndarray:
     return data.reshape(n, num_patches, patch_dim)
 
 
-def _key_seed(key: str) -> list[int]:
+def key_seed(key: str) -> list[int]:
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return [int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
 
@@ -114,7 +114,7 @@ def augment_patches(
     fresh = np.random.default_rng() if seed is None else None
     out = np.empty_like(images)
     for i, key in enumerate(keys):
-        rng = fresh if fresh is not None else np.random.default_rng([seed, epoch, *_key_seed(key)])
+        rng = fresh if fresh is not None else np.random.default_rng([seed, epoch, *key_seed(key)])
         out[i] = random_resized_crop(images[i], rng, aug)
     return patchify_batch(out, patch_size)
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pipelines import shards, video_shards
-from pipelines.data import PATCH_MEAN, PATCH_STD
+from pipelines.data import PATCH_MEAN, PATCH_STD, key_seed
 from pipelines.errors import VitpipeError
 from pipelines.storage import Store, open_store
 
@@ -183,19 +183,30 @@ def _clip_indices(total: int, spec: ClipSpec, rng: np.random.Generator | None) -
     return k * length + sample_clip_indices(length, spec.frames, spec.sampling, rng, spec.stride)
 
 
-def _clip_batch(table: Any, *, spec: ClipSpec) -> dict[str, np.ndarray]:
+def _clip_rngs(keys: list[str], spec: ClipSpec, seed: int | None, epoch: int, round_: int) -> list[Any]:
+    """One generator per video for one round of clips: `(seed, epoch, round, key)` decides it when
+    seeded, so a run's clips do not depend on which worker or batch a video lands in; fresh otherwise."""
+    if not spec.train:
+        return [None] * len(keys)
+    if seed is None:
+        fresh = np.random.default_rng()
+        return [fresh] * len(keys)
+    return [np.random.default_rng([seed, epoch, round_, *key_seed(key)]) for key in keys]
+
+
+def _clip_batch(table: Any, *, spec: ClipSpec, seed: int | None = None, epoch: int = 0) -> dict[str, np.ndarray]:
     """Ray Data UDF: video rows → clips `frames` uint8 `(N, T, S, S, 3)`, `frame_positions`, `label`."""
-    rng = np.random.default_rng() if spec.train else None  # fresh randomness on every pass
     column = table.column("frames").to_pylist()
     counts = table.column("num_frames").to_numpy()
     heights, widths = table.column("height").to_numpy(), table.column("width").to_numpy()
     labels = table.column("label").to_numpy()
+    keys = table.column("key").to_pylist()
     clips, positions, out_labels = [], [], []
     videos = [decode_frames(data, int(t), int(h), int(w)) for data, t, h, w in zip(column, counts, heights, widths)]
     # Round by round, one clip of each video per round: a video's clips never come out back to back,
     # so a training batch mixes videos (and classes) rather than holding clips of one video.
-    for _ in range(spec.clips_per_video if spec.train else 1):
-        for video, y in zip(videos, labels):
+    for round_ in range(spec.clips_per_video if spec.train else 1):
+        for video, y, rng in zip(videos, labels, _clip_rngs(keys, spec, seed, epoch, round_)):
             idx = _clip_indices(len(video), spec, rng)
             clip = square_crop(video[idx], float(rng.random()) if rng is not None else 0.5)
             clip = resize_frames(clip, spec.size)
@@ -210,23 +221,39 @@ def _clip_batch(table: Any, *, spec: ClipSpec) -> dict[str, np.ndarray]:
     return {"frames": np.stack(clips), "frame_positions": np.stack(positions), "label": np.asarray(out_labels, np.int64)}
 
 
-def clip_dataset(uri: str, split: str, spec: ClipSpec, *, endpoint_url: str | None = None, batch_size: int = 8) -> Any:
-    """A Ray Dataset of clips from one split of a video ingest output (shard order shuffled when training)."""
+def clip_dataset(uri: str, split: str, spec: ClipSpec, *, seed: int | None = None, epochs: int = 1,
+                 endpoint_url: str | None = None, batch_size: int = 8) -> Any:
+    """A Ray Dataset of clips from one split of a video ingest output.
+
+    Training clips (`spec.train`) come from shards in shuffled order with random
+    frames and crops: fresh on every pass with `seed=None`; with an integer seed
+    the file order of pass `e` and every clip depend only on `(seed, e, video key)`,
+    so a run is reproducible. `epochs` > 1 chains that many passes.
+    """
     import ray.data
     from ray.data.expressions import col
 
     if split not in shards.SPLITS:
         raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
     store = open_store(uri, endpoint_url=endpoint_url)
     manifest = read_video_manifest(uri, endpoint_url=endpoint_url)
     filesystem, _ = store.arrow()
     paths = [store.arrow(k)[1] for k in shard_keys(store, manifest, split)]
-    ds = (
-        ray.data.read_parquet(paths, filesystem=filesystem, shuffle="files" if spec.train else None)
-        .select_columns(list(COLUMNS))
-        .filter(expr=col("split") == split)
-    )
-    return ds.map_batches(_clip_batch, fn_kwargs={"spec": spec}, batch_format="pyarrow", batch_size=batch_size)
+    passes = []
+    for epoch in range(epochs):
+        order = None
+        if spec.train:
+            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
+        ds = (
+            ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order)
+            .select_columns(list(COLUMNS))
+            .filter(expr=col("split") == split)
+        )
+        passes.append(ds.map_batches(_clip_batch, fn_kwargs={"spec": spec, "seed": seed, "epoch": epoch},
+                                     batch_format="pyarrow", batch_size=batch_size))
+    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
 
 
 def normalize_video(frames: Any) -> Any:

@@ -40,9 +40,10 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipelines import tracking
+from pipelines.recipe import TrainRecipe
 from pipelines.stage_config import load_stage_config, stage_main
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,8 @@ _MANAGED_VTN_FIELDS = {"backbone", "backbone_overrides", "freeze_backbone", "num
 _POS_EMBED = {"learned": "learned", "fixed": "sincos", "sincos": "sincos", "none": "none"}
 
 
-class VideoTrainConfig(BaseModel):
+class VideoTrainConfig(TrainRecipe):
     """Video (VTN) training stage config; defaults follow the VTN paper's training and evaluation."""
-
-    model_config = ConfigDict(extra="forbid")
 
     data: str = Field(description="video ingest output (local dir or s3://bucket/prefix) holding manifest.json")
     # The model.
@@ -83,30 +82,9 @@ class VideoTrainConfig(BaseModel):
     clip_stride: int = Field(1, gt=0)  # frames between a "clip"'s frames (and the multi-view clips')
     clips_per_video: int = Field(1, gt=0)  # clips drawn from each training video per pass over the data
     hflip: bool = False
-    # The recipe.
+    # The VTN paper's recipe where it differs from the shared defaults.
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(1e-3, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)  # AdamW only
-    schedule: Literal["cosine", "linear"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr: float = Field(0.0, ge=0)
-    clip_grad_norm: float | None = Field(1.0, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    steps: int = Field(gt=0)
-    num_workers: int = Field(1, gt=0)
-    use_gpu: bool = False
-    resources_per_worker: dict[str, float] | None = None
-    torch_threads: int | None = Field(None, gt=0)
-    batch_size_per_worker: int = Field(8, gt=0)
-    global_batch_size: int | None = Field(None, gt=0)
-    shuffle_buffer: int = Field(0, ge=0)
-    eval_interval: int = Field(0, ge=0)  # in-loop validation on val clips; 0: only at the end
-    checkpoint_interval: int = Field(500, ge=0)  # 0: only at the end
-    keep_last: int = Field(2, gt=0)
-    log_interval: int = Field(10, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)  # SGD only
     # Evaluation of the final model.
     eval_split: Literal["test", "val"] = "test"
     eval_modes: list[Literal["full_video", "multiview"]] = Field(default_factory=lambda: list(MODES))
@@ -116,17 +94,7 @@ class VideoTrainConfig(BaseModel):
     eval_shuffled: bool = False  # also evaluate on frames in random order
     eval_limit: int | None = Field(None, gt=0)  # evaluate at most this many videos
     attention_videos: int = Field(4, ge=0)  # videos in the [CLS] attention picture
-    # Where things go.
     registry_model: str | None = None  # register the final model as a new version of this name
-    storage: str = "vitpipe-work/runs"
-    endpoint_url: str | None = None
-    run_name: str | None = None  # default: video_train-<config hash>
-    seed: int = 0
-    max_failures: int = Field(2, ge=-1)
-    tracking_uri: str | None = None
-    experiment: str = "vitpipe"
-    parent_run_id: str | None = None
-    ingest_run_id: str | None = None
 
     @field_validator("eval_modes")
     @classmethod
@@ -177,20 +145,7 @@ class VideoTrainConfig(BaseModel):
             elif self.backbone not in vit.list_models():
                 raise ValueError(f"backbone {self.backbone!r}: unknown model (a ViT such as 'ViT-B/16', or one of "
                                  f"{', '.join(m for m in vit.list_models() if m not in VTN_PRESETS)})")
-        per_step = self.num_workers * self.batch_size_per_worker
-        if self.global_batch_size is not None and self.global_batch_size % per_step:
-            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of "
-                             f"num_workers × batch_size_per_worker = {per_step}")
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         return self
-
-    @property
-    def grad_accum_steps(self) -> int:
-        per_step = self.num_workers * self.batch_size_per_worker
-        return (self.global_batch_size or per_step) // per_step
 
 
 class VideoTrainResult(BaseModel):
@@ -424,7 +379,7 @@ def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str
 
 
 def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_id: str | None,
-                  tracking_uri: str | None) -> Any:
+                  tracking_uri: str | None, train_rows: int | None = None) -> Any:
     """What every worker receives: the image loop's settings in video modality, starting from the staged VTN."""
     from pipelines.train_step import LoopSettings
 
@@ -439,8 +394,17 @@ def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_i
         batch_size_per_worker=config.batch_size_per_worker, grad_accum_steps=config.grad_accum_steps,
         eval_interval=config.eval_interval, checkpoint_interval=config.checkpoint_interval,
         log_interval=config.log_interval, shuffle_buffer=config.shuffle_buffer, torch_threads=threads,
-        seed=config.seed, val_dataset="val" if has_val else None, mlflow_run_id=run_id, tracking_uri=tracking_uri,
+        seed=config.seed, train_rows=train_rows, val_dataset="val" if has_val else None, mlflow_run_id=run_id,
+        tracking_uri=tracking_uri,
     )
+
+
+def train_clips(config: VideoTrainConfig, manifest: dict[str, Any]) -> int | None:
+    """Training clips per pass over the data: training videos × `clips_per_video` (None when not counted)."""
+    from pipelines.video_data import split_count
+
+    videos = split_count(manifest, "train")
+    return videos * config.clips_per_video if videos else None
 
 
 def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int, has_val: bool) -> dict[str, Any]:
@@ -450,7 +414,10 @@ def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int,
     common = dict(frames=config.train_frames, size=size, sampling=config.train_sampling, stride=config.clip_stride,
                   stored_clip_length=stored_clip_length(manifest))
     train = ClipSpec(**common, train=True, clips_per_video=config.clips_per_video, hflip=config.hflip)
-    out = {"train": clip_dataset(config.data, "train", train, endpoint_url=config.endpoint_url)}
+    # Reproducible: seeded passes over the videos, chained to cover the run (see `pretrain.build_trainer`).
+    out = {"train": clip_dataset(config.data, "train", train, seed=config.seed,
+                                 epochs=config.passes_over(train_clips(config, manifest)),
+                                 endpoint_url=config.endpoint_url)}
     if has_val:
         out["val"] = clip_dataset(config.data, "val", ClipSpec(**common, train=False), endpoint_url=config.endpoint_url)
     return out
@@ -522,7 +489,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     storage_path, filesystem = storage_location(config)
     # Workers read the starting VTN from the run's storage; a resumed execution keeps the one it staged first.
     init_path = stage_init(initial.model, storage_path, filesystem, run_name)
-    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri)
+    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest))
     resolved = {**config.model_dump(mode="json"), "frame_size": initial.frame_size,
                 "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()}
     tracking.log_params(client, run_id, resolved)

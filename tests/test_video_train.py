@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 import vit
 from pipelines import tracking
-from pipelines.video_data import read_video_manifest, sample_clip_indices
+from pipelines.video_data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
 from pipelines.video_train import (
     ATTENTION_FIGURE,
     ATTENTION_VALUES,
@@ -207,6 +207,22 @@ def test_training_clips_take_frames_in_order_from_the_stored_frames():
     assert np.all(np.diff(clip) == 2)
     short = sample_clip_indices(5, 16, "segments", None)  # fewer stored frames than the clip: frames repeat
     assert len(short) == 16 and sorted(set(short.tolist())) == [0, 1, 2, 3, 4]
+
+
+def seeded_clips(data: str, **kw) -> list[tuple[int, tuple[int, ...], bytes]]:
+    spec = ClipSpec(frames=6, size=24, train=True, clips_per_video=2)
+    rows = clip_dataset(data, "train", spec, **kw).take_all()
+    return sorted((int(r["label"]), tuple(r["frame_positions"].tolist()), r["frames"].tobytes()) for r in rows)
+
+
+def test_seeded_training_clips_repeat_exactly_and_differ_by_pass_and_seed(ray_cluster, tmp_path):
+    # Videos of 12-24 stored 32×32 frames: random frames per segment and random crops to 24 px.
+    data = write_video_shards(tmp_path / "out", videos=12, frames=(12, 24), per_shard=4)
+    first, both = seeded_clips(data, seed=3), seeded_clips(data, seed=3, epochs=2)
+    assert both == seeded_clips(data, seed=3, epochs=2)
+    second = sorted(set(both) - set(first))
+    assert len(both) == 2 * len(first) and len(second) == len(first)  # a second pass draws clips of its own
+    assert seeded_clips(data, seed=4) != first
 
 
 def test_data_that_is_not_a_video_ingest_output_is_refused(tmp_path):
