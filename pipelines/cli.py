@@ -277,6 +277,12 @@ def video_train(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Opt
     _run_stage("video_train", config, sets, ray_address)
 
 
+@app.command("video-features")
+def video_features(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Optional[str] = _RAY) -> None:
+    """Store per-frame backbone features of a video ingest output, so video-train can train on features alone."""
+    _run_stage("video_features", config, sets, ray_address)
+
+
 @app.command("evaluate")
 def evaluate(config: str = _CONFIG, sets: list[str] = _SETS) -> None:
     """Few-shot linear evaluation (1/5/10/25-shot) of a pretrained model's frozen features."""
@@ -371,15 +377,15 @@ def submit(
 
 @app.command("stage")
 def stage(
-    kind: str = typer.Argument(..., help="pretrain, finetune, evaluate or video_train."),
+    kind: str = typer.Argument(..., help="pretrain, finetune, evaluate, video_features or video_train."),
     config: str = _CONFIG,
     sets: list[str] = _SETS,
     address: Optional[str] = typer.Option(None, "--address", help="Submit as a Ray job to this cluster's dashboard."),
     wait: bool = typer.Option(False, "--wait", help="With --address: follow the job until it ends."),
 ) -> None:
     """Run one stage alone: here, or with --address as a Ray job of its own (several can queue on one cluster)."""
-    if kind not in ("pretrain", "finetune", "evaluate", "video_train"):
-        raise ValueError(f"stage kind {kind!r} is not one of pretrain, finetune, evaluate, video_train")
+    if kind not in ("pretrain", "finetune", "evaluate", "video_features", "video_train"):
+        raise ValueError(f"stage kind {kind!r} is not one of pretrain, finetune, evaluate, video_features, video_train")
     if address is None:
         _run_stage(kind, config, sets, None, uses_ray=kind != "evaluate")
         return

@@ -73,6 +73,8 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _key_metric(kind: str, result: Any) -> str:
+    if kind == "video_features":
+        return f"videos={result.counts['videos']} feature_dim={result.manifest['feature_dim']}"
     if kind in INGEST_KINDS:
         noun = "videos" if kind == "video_ingest" else "images"
         return f"{noun}={result.counts[noun]} rejected={result.counts['rejected']}"
@@ -95,9 +97,12 @@ def _reused(kind: str, result: Any) -> bool:
 
 def _run_ingest_stage(kind: str, config: Any, client: Any, experiment: str, parent_run_id: str,
                       forced: str = "") -> tuple[Any, str]:
-    """Ingests have no tracking of their own: the runner records each as a child run with its manifest."""
+    """Ingests (and the video features stage) have no tracking of their own: the runner records each as a
+    child run with its manifest."""
     if kind == "video_ingest":
         from pipelines.video_ingest import run_video_ingest as run
+    elif kind == "video_features":
+        from pipelines.video_features import run_video_features as run
     else:
         from pipelines.ingest import run_ingest as run
 

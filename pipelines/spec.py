@@ -42,7 +42,7 @@ from pipelines.stage_config import parse_overrides
 from pipelines.storage import parse_uri
 from pipelines.tracking import resolve_tracking_uri
 
-Kind = Literal["ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_train"]
+Kind = Literal["ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"]
 KINDS: tuple[str, ...] = get_args(Kind)
 RUN = "run"  # the pseudo-kind of an input that is an existing MLflow run or model, not a stage
 
@@ -65,11 +65,15 @@ INPUTS: dict[str, dict[str, Fill]] = {
         "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref"),
     },
     "video_ingest": {},
-    # A VTN's 2-D backbone starts from an image pretrain run (or any run/model reference).
-    "video_train": {"video_ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-                    RUN: Fill("init", "ref")},
+    # Per-frame features of a video ingest output, from the backbone of a pretrain run (or any run/model reference).
+    "video_features": {"video_ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                       RUN: Fill("init", "ref")},
+    # A VTN's 2-D backbone starts from an image pretrain run (or any run/model reference); its data are
+    # frames (video_ingest) or precomputed features (video_features: the temporal encoder trains alone).
+    "video_train": {"video_ingest": Fill("data", "output"), "video_features": Fill("data", "output"),
+                    "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
 }
-INGEST_KINDS = ("ingest", "video_ingest")  # stages that write shards and have no tracking of their own
+INGEST_KINDS = ("ingest", "video_ingest", "video_features")  # stages that write shards and have no tracking of their own
 # Fields the pipeline owns (one tracking store and experiment, the runner's parent run): not per stage.
 PIPELINE_OWNED = ("tracking_uri", "experiment", "parent_run_id", "ingest_run_id")
 _TOP_KEYS = ("name", "storage", "tracking_uri", "experiment", "defaults", "stages")

@@ -62,11 +62,16 @@ def train_batches(shard: Any, s: LoopSettings, rank: int, epoch: int, skip: int)
 
 
 def batch_inputs(batch: dict[str, torch.Tensor], modality: str) -> tuple[Any, torch.Tensor]:
-    """`(model inputs, labels)` of one batch: patches for images, `(clip, frame indices)` for videos."""
+    """`(model inputs, labels)` of one batch: patches for images, `(clip, frame indices)` for videos,
+    `(frame features, frame indices)` for features."""
     if modality == "video":
         from pipelines.video_data import clip_inputs
 
         return clip_inputs(batch), batch["label"].long()
+    if modality == "features":
+        from pipelines.feature_data import feature_inputs
+
+        return feature_inputs(batch), batch["label"].long()
     return batch["patches"], batch["label"].long()
 
 
@@ -85,6 +90,15 @@ def _build_start_model(s: LoopSettings) -> nn.Module:
     with tempfile.TemporaryDirectory() as tmp:
         pafs.copy_files(s.init_checkpoint, tmp, source_filesystem=fs)
         return build_model(s.model_copy(update={"init_checkpoint": tmp}))
+
+
+def _forward_model(model: nn.Module, modality: str) -> nn.Module:
+    """What the step calls: the model, or for "features" the VTN through `feature_data.FromFrameFeatures`."""
+    if modality != "features":
+        return model
+    from pipelines.feature_data import FromFrameFeatures
+
+    return FromFrameFeatures(model)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -206,7 +220,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         torch.set_rng_state(state["rng"][rank]["cpu"])
         if device.type == "cuda" and state["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(state["rng"][rank]["cuda"], device)
-    ddp_model = ray.train.torch.prepare_model(model)
+    # On features the VTN runs without its backbone: the step and evaluation call it through a wrapper whose
+    # forward is `forward_features_from_frames`; checkpoints still hold the VTN itself.
+    forward = _forward_model(model, s.modality)
+    ddp_model = ray.train.torch.prepare_model(forward)
     step_fn = TrainStep(
         ddp_model, optimizer, scheduler, device=device, amp_dtype=amp_dtype,
         clip_grad_norm=s.clip_grad_norm, label_smoothing=s.label_smoothing,
@@ -277,7 +294,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if resumed_from is not None:
             report["resumed_from_step"] = resumed_from
         if do_eval:
-            sums = all_reduce_sum(evaluate(model, _val_batches(val_shard, eval_batch, s.modality), device, amp_dtype))
+            sums = all_reduce_sum(evaluate(forward, _val_batches(val_shard, eval_batch, s.modality), device, amp_dtype))
             last_eval = {"val_loss": float(sums[0] / sums[2]), "val_top1": float(sums[1] / sums[2])}
             log.metrics(last_eval, step)
             log.flush()

@@ -35,8 +35,9 @@ class LoopSettings(BaseModel):
     # A vit checkpoint dir to start from: a local path for `build_model`; the Ray Train loop reads it
     # from the run's storage filesystem (local storage: the same path).
     init_checkpoint: str | None = None
-    # What a batch holds: "image" patches `(B, N, P·P·C)`, or "video" clips (see `pipelines.video_data`).
-    modality: Literal["image", "video"] = "image"
+    # What a batch holds: "image" patches `(B, N, P·P·C)`, "video" clips (see `pipelines.video_data`), or
+    # "features" clips of precomputed frame features (see `pipelines.feature_data`).
+    modality: Literal["image", "video", "features"] = "image"
     steps: int = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "linear"] = "linear"

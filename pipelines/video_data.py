@@ -41,6 +41,7 @@ __all__ = [
     "clip_inputs",
     "iter_videos",
     "normalize_video",
+    "prepare_full_video",
     "read_video_manifest",
     "sample_clip_indices",
     "split_count",
@@ -265,6 +266,12 @@ def normalize_video(frames: Any) -> Any:
     x = torch.as_tensor(frames)
     x = x.movedim(-1, -3).float()
     return x.mul_(1 / (255 * PATCH_STD)).sub_(PATCH_MEAN / PATCH_STD)
+
+
+def prepare_full_video(frames: np.ndarray, size: int) -> Any:
+    """A stored video's uint8 frames `(T, H, W, 3)` as full-video evaluation and the video features stage see
+    them: shorter side resized to `size`, the centre square, normalized → float32 `(T, 3, size, size)`."""
+    return normalize_video(np.ascontiguousarray(square_crop(resize_frames(frames, size), 0.5)))
 
 
 def clip_inputs(batch: dict[str, Any]) -> tuple[Any, Any]:

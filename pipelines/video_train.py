@@ -67,7 +67,9 @@ _POS_EMBED = {"learned": "learned", "fixed": "sincos", "sincos": "sincos", "none
 class VideoTrainConfig(TrainRecipe):
     """Video (VTN) training stage config; defaults follow the VTN paper's training and evaluation."""
 
-    data: str = Field(description="video ingest output (local dir or s3://bucket/prefix) holding manifest.json")
+    # A video ingest output, or a video features output (`pipelines.video_features`): then the backbone is
+    # frozen and not run, and the temporal encoder trains on the stored features alone (`pipelines.feature_data`).
+    data: str = Field(description="video ingest or video features output (local dir or s3://bucket/prefix)")
     # The model.
     init: str | None = None  # the backbone's weights: pretrain run id, runs:/, models:/, checkpoint dir, timm/HF file
     backbone: str | None = None  # 2-D backbone architecture; default: the init checkpoint's. Required from scratch
@@ -241,48 +243,69 @@ def build_initial_model(config: VideoTrainConfig, num_classes: int, tracking_uri
 
 def _prepared(frames: np.ndarray, size: int) -> tuple[Any, Any]:
     """A stored video → `(full frame video (T, 3, h, w), centre square (T, 3, S, S))`, shorter side `size`."""
-    from pipelines.video_data import normalize_video, resize_frames, square_crop
+    from pipelines.video_data import normalize_video, prepare_full_video, resize_frames
 
-    resized = resize_frames(frames, size)
-    return normalize_video(resized), normalize_video(np.ascontiguousarray(square_crop(resized, 0.5)))
+    resized = resize_frames(frames, size)  # done once: prepare_full_video leaves a `size` shorter side as it is
+    return normalize_video(resized), prepare_full_video(resized, size)
+
+
+class FramePredictor:
+    """`evaluate_modes`' predictor on stored frames: the VTN's `predict_full_video` and `predict_multiview`."""
+
+    def __init__(self, model: Any, config: VideoTrainConfig, size: int) -> None:
+        self.model, self.config, self.size = model, config, size
+
+    @staticmethod
+    def length(row: Any) -> int:
+        return len(row.frames)
+
+    def prepare(self, row: Any, order: np.ndarray | None) -> tuple[Any, Any, int]:
+        frames = row.frames[order] if order is not None else row.frames
+        return (*_prepared(frames, self.size), len(frames))
+
+    def views(self, mode: str) -> int:
+        return self.config.multiview_clips * self.config.multiview_crops if mode == "multiview" else 1
+
+    def note(self, mode: str) -> str | None:
+        return None
+
+    def __call__(self, mode: str, inputs: tuple[Any, Any, int]) -> Any:
+        (full, square, frames), c = inputs, self.config
+        if mode == "full_video":
+            return self.model.predict_full_video(square, num_frames=min(frames, c.full_video_frames))
+        return self.model.predict_multiview(full, clips=c.multiview_clips, crops=c.multiview_crops,
+                                            clip_frames=c.train_frames, frame_stride=c.clip_stride, crop_size=self.size)
 
 
 def evaluate_modes(model: Any, videos: Iterable[Any], config: VideoTrainConfig, size: int,
-                   shuffled: bool = False) -> list[dict[str, Any]]:
+                   shuffled: bool = False, predictor: Any = None) -> list[dict[str, Any]]:
     """Top-1 and wall time of each evaluation mode over `videos`, one row per mode.
 
     Each video runs through every mode in turn, so the modes see the same
     machine load; only the model calls are timed (reading and resizing are
     common to both), after one untimed warm-up call of each mode. With `shuffled`, each video's stored frames are put in a
-    random (seeded) order first.
+    random (seeded) order first. `predictor` runs the modes (default: on frames, `FramePredictor`;
+    `feature_data.FeaturePredictor` on stored features).
     """
     import torch
 
+    predict = predictor or FramePredictor(model, config, size)
     rng = np.random.default_rng(config.seed)
     correct = dict.fromkeys(config.eval_modes, 0)
     seconds = dict.fromkeys(config.eval_modes, 0.0)
     count = 0
     model.eval()
-
-    @torch.inference_mode()
-    def predict(mode: str, full: Any, square: Any, frames: int) -> Any:
-        if mode == "full_video":
-            return model.predict_full_video(square, num_frames=min(frames, config.full_video_frames))
-        return model.predict_multiview(full, clips=config.multiview_clips, crops=config.multiview_crops,
-                                       clip_frames=config.train_frames, frame_stride=config.clip_stride,
-                                       crop_size=size)
-
     for row in videos:
-        frames = row.frames[rng.permutation(len(row.frames))] if shuffled else row.frames
-        full, square = _prepared(frames, size)
-        if count == 0:  # warm-up, untimed: the first calls pay one-off costs that would go to one mode only
+        inputs = predict.prepare(row, rng.permutation(predict.length(row)) if shuffled else None)
+        with torch.inference_mode():
+            if count == 0:  # warm-up, untimed: the first calls pay one-off costs that would go to one mode only
+                for mode in config.eval_modes:
+                    predict(mode, inputs)
             for mode in config.eval_modes:
-                predict(mode, full, square, len(frames))
-        for mode in config.eval_modes:
-            t0 = time.perf_counter()
-            probs = predict(mode, full, square, len(frames))
-            seconds[mode] += time.perf_counter() - t0
-            correct[mode] += int(int(probs.argmax(-1)[0]) == row.label)
+                t0 = time.perf_counter()
+                probs = predict(mode, inputs)
+                seconds[mode] += time.perf_counter() - t0
+                correct[mode] += int(int(probs.argmax(-1)[0]) == row.label)
         count += 1
     if count == 0:
         from pipelines.errors import VitpipeError
@@ -290,11 +313,11 @@ def evaluate_modes(model: Any, videos: Iterable[Any], config: VideoTrainConfig, 
         raise VitpipeError(f"{tracking.strip_userinfo(config.data)}: split {config.eval_split!r} has no videos to evaluate")
     rows = []
     for mode in config.eval_modes:
-        views = config.multiview_clips * config.multiview_crops if mode == "multiview" else 1
+        note = predict.note(mode)
         rows.append({
             "mode": mode, "frame_order": "shuffled" if shuffled else "original", "videos": count,
-            "views_per_video": views, "top1": correct[mode] / count, "wall_s": seconds[mode],
-            "videos_per_s": count / max(seconds[mode], 1e-9),
+            "views_per_video": predict.views(mode), "top1": correct[mode] / count, "wall_s": seconds[mode],
+            "videos_per_s": count / max(seconds[mode], 1e-9), **({"note": note} if note else {}),
         })
     return rows
 
@@ -379,15 +402,16 @@ def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str
 
 
 def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_id: str | None,
-                  tracking_uri: str | None, train_rows: int | None = None) -> Any:
-    """What every worker receives: the image loop's settings in video modality, starting from the staged VTN."""
+                  tracking_uri: str | None, train_rows: int | None = None, modality: str = "video") -> Any:
+    """What every worker receives: the image loop's settings in video (or features) modality, starting from the
+    staged VTN."""
     from pipelines.train_step import LoopSettings
 
     threads = config.torch_threads
     if threads is None and not config.use_gpu:
         threads = max(1, int((config.resources_per_worker or {}).get("CPU", 1)))
     return LoopSettings(
-        model_name="vtn", init_checkpoint=init_path, modality="video", steps=config.steps,
+        model_name="vtn", init_checkpoint=init_path, modality=modality, steps=config.steps,
         warmup_steps=config.warmup_steps, schedule=config.schedule, lr=config.lr, min_lr=config.min_lr,
         weight_decay=config.weight_decay, betas=config.betas, optimizer=config.optimizer, momentum=config.momentum,
         clip_grad_norm=config.clip_grad_norm, label_smoothing=config.label_smoothing, precision=config.precision,
@@ -408,18 +432,23 @@ def train_clips(config: VideoTrainConfig, manifest: dict[str, Any]) -> int | Non
 
 
 def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int, has_val: bool) -> dict[str, Any]:
-    """The Ray Datasets of training clips (random) and validation clips (centred, deterministic)."""
+    """The Ray Datasets of training clips (random) and validation clips (centred, deterministic): of frames,
+    or of stored features when `data` is a video features output."""
+    from pipelines.feature_data import feature_clip_dataset, is_features
     from pipelines.video_data import ClipSpec, clip_dataset, stored_clip_length
+
+    def dataset(split: str, spec: ClipSpec, **kw: Any) -> Any:
+        if is_features(manifest):
+            return feature_clip_dataset(config.data, manifest, split, spec, endpoint_url=config.endpoint_url, **kw)
+        return clip_dataset(config.data, split, spec, endpoint_url=config.endpoint_url, **kw)
 
     common = dict(frames=config.train_frames, size=size, sampling=config.train_sampling, stride=config.clip_stride,
                   stored_clip_length=stored_clip_length(manifest))
     train = ClipSpec(**common, train=True, clips_per_video=config.clips_per_video, hflip=config.hflip)
     # Reproducible: seeded passes over the videos, chained to cover the run (see `pretrain.build_trainer`).
-    out = {"train": clip_dataset(config.data, "train", train, seed=config.seed,
-                                 epochs=config.passes_over(train_clips(config, manifest)),
-                                 endpoint_url=config.endpoint_url)}
+    out = {"train": dataset("train", train, seed=config.seed, epochs=config.passes_over(train_clips(config, manifest)))}
     if has_val:
-        out["val"] = clip_dataset(config.data, "val", ClipSpec(**common, train=False), endpoint_url=config.endpoint_url)
+        out["val"] = dataset("val", ClipSpec(**common, train=False))
     return out
 
 
@@ -451,9 +480,13 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     import vit
     from pipelines.finetune import stage_init
     from pipelines.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
-    from pipelines.video_data import class_names, iter_videos, manifest_digest, read_video_manifest, split_count
+    from pipelines.feature_data import features_train_config, is_features, read_training_manifest
+    from pipelines.video_data import class_names, manifest_digest, split_count
 
-    manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
+    manifest = read_training_manifest(config.data, endpoint_url=config.endpoint_url)
+    features = is_features(manifest)
+    if features:  # the temporal encoder alone, on the stored features: see `pipelines.feature_data`
+        config = features_train_config(config, manifest)
     classes = class_names(manifest)
     if split_count(manifest, "train") == 0:
         raise ValueError(f"data: {tracking.strip_userinfo(config.data)} holds no training videos")
@@ -464,6 +497,10 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     initial = build_initial_model(config, len(classes), tracking_uri)
+    if features:
+        from pipelines.feature_data import check_backbone
+
+        check_backbone(initial.model, manifest, config)
     digest = tracking.config_hash(run_identity(config, manifest))
     run_name = config.run_name or f"{STAGE}-{digest[:12]}"
 
@@ -489,7 +526,8 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     storage_path, filesystem = storage_location(config)
     # Workers read the starting VTN from the run's storage; a resumed execution keeps the one it staged first.
     init_path = stage_init(initial.model, storage_path, filesystem, run_name)
-    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest))
+    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest),
+                             modality="features" if features else "video")
     resolved = {**config.model_dump(mode="json"), "frame_size": initial.frame_size,
                 "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()}
     tracking.log_params(client, run_id, resolved)
@@ -500,20 +538,20 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
         result = fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
         with result.checkpoint.as_directory() as final_dir:
             model = vit.load_checkpoint(final_dir)
-
-        def videos(limit: int | None = config.eval_limit) -> Iterable[Any]:
-            return iter_videos(config.data, config.eval_split, endpoint_url=config.endpoint_url, limit=limit)
-
-        table = evaluate_modes(model, videos(), config, initial.frame_size)
+        videos, predictor = evaluation_inputs(config, manifest, model)
+        table = evaluate_modes(model, videos(), config, initial.frame_size, predictor=predictor)
         if config.eval_shuffled:
-            table += evaluate_modes(model, videos(), config, initial.frame_size, shuffled=True)
+            table += evaluate_modes(model, videos(), config, initial.frame_size, shuffled=True, predictor=predictor)
         client.log_batch(run_id, metrics=_metrics(evaluation_metrics(table)))
         client.log_dict(run_id, {"modes": table}, EVAL_TABLE)
         for row in table:
-            logger.info("%s: %-10s %-8s top-1 %.3f in %.2fs (%d videos)", STAGE, row["mode"], row["frame_order"],
-                        row["top1"], row["wall_s"], row["videos"])
-        log_attention_picture(client, run_id, model, list(videos(config.attention_videos)) if config.attention_videos else [],
-                              initial.frame_size, config.full_video_frames, classes)
+            logger.info("%s: %-10s %-8s top-1 %.3f in %.2fs (%d videos, %d views each)%s", STAGE, row["mode"],
+                        row["frame_order"], row["top1"], row["wall_s"], row["videos"], row["views_per_video"],
+                        f"; {row['note']}" if row.get("note") else "")
+        if not features:  # the picture shows the frames, which features data does not hold
+            log_attention_picture(client, run_id, model,
+                                  list(videos(config.attention_videos)) if config.attention_videos else [],
+                                  initial.frame_size, config.full_video_frames, classes)
         model_uri = _log_outputs(client, tracking_uri, run_id, result)
         tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
         if config.registry_model and model_uri:
@@ -528,6 +566,25 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     finally:
         tracking.end_run(client, run_id, ok)
     return _result_from_run(client, run_id, reused=False)
+
+
+def evaluation_inputs(config: VideoTrainConfig, manifest: dict[str, Any], model: Any) -> tuple[Any, Any]:
+    """`(videos(limit) → the eval split's videos, predictor)`: stored frames, or stored features with
+    `feature_data.FeaturePredictor` (None: `evaluate_modes`' own frame predictor)."""
+    from pipelines.feature_data import FeaturePredictor, is_features, iter_feature_videos
+    from pipelines.video_data import iter_videos
+
+    if is_features(manifest):
+        def videos(limit: int | None = config.eval_limit) -> Iterable[Any]:
+            return iter_feature_videos(config.data, manifest, config.eval_split, endpoint_url=config.endpoint_url,
+                                       limit=limit)
+
+        return videos, FeaturePredictor(model, config)
+
+    def frame_videos(limit: int | None = config.eval_limit) -> Iterable[Any]:
+        return iter_videos(config.data, config.eval_split, endpoint_url=config.endpoint_url, limit=limit)
+
+    return frame_videos, None
 
 
 def _metrics(values: dict[str, float]) -> list[Any]:

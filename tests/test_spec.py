@@ -131,7 +131,7 @@ def test_stage_model_check_names_the_stage(tmp_path: Path) -> None:
 def test_unknown_kind(tmp_path: Path) -> None:
     message = bad(tmp_path, "probe: {kind: evaluate", "probe: {kind: evaluation")
     assert ("stage 'probe' field 'kind': Input should be 'ingest', 'pretrain', 'finetune', 'evaluate', "
-            "'video_ingest' or 'video_train'") in message
+            "'video_ingest', 'video_features' or 'video_train'") in message
 
 
 def test_missing_kind(tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_config_for_fills_inputs_from_upstream_results(tmp_path: Path) -> None:
 
 
 def test_input_table_covers_every_kind() -> None:
-    assert set(INPUTS) == {"ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_train"}
+    assert set(INPUTS) == {"ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"}
     assert INPUTS["pretrain"]["ingest"].field == "data" and INPUTS["finetune"]["pretrain"].field == "init"
     assert INPUTS["video_train"]["video_ingest"].field == "data" and INPUTS["video_train"]["pretrain"].field == "init"
 

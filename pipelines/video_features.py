@@ -1,0 +1,420 @@
+"""The video features stage: per-frame backbone features of a video ingest output, stored as shards.
+
+The VTN paper's third inference method runs the 2-D backbone over every frame
+once and keeps the features; the temporal encoder then trains and predicts on
+features alone (`pipelines.video_train` with `data` set to this stage's
+output). Ray Data reads the video shards, a pool of CPU actors (a callable
+class, so each loads the backbone once) turns each video into `(T, D)`
+features, and the driver writes one feature shard per video shard, atomically.
+
+Frames are prepared as the video stage's full-video evaluation prepares them:
+the shorter side resized to `frame_size`, the centre square cropped,
+`normalize_video`; the features are `VTN.frame_features` of those frames.
+
+Layout under `output` (the ingest's conventions, `pipelines.shards`)::
+
+    shards/shard-NNNNNN.parquet   one row per video, named as the video shard it comes from
+    manifest.json                 format "vitpipe-video-features/1", backbone, feature dim, frame size,
+                                  classes, counts and sampling of the source, shard list, content hash
+    _SUCCESS                      written last; holds the fingerprint of the finished run
+
+Columns: `features` (binary, float32 or float16 `(T, D)` C order), `num_frames`
+(T), `dim` (D), `label`, `key`, `split`, `frame_indices` (list<int32>, each
+stored frame's index in the source video), `fps`. A rerun of a finished output
+with the same data, backbone weights and settings does nothing; an interrupted
+run reuses the feature shards it finished (their footers carry a fingerprint).
+
+    python -m pipelines.video_features --config features.yaml [--set KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import sys
+import time
+from collections import Counter
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipelines import shards, tracking
+from pipelines.stage_config import load_stage_config, stage_main
+from pipelines.storage import parse_uri
+
+logger = logging.getLogger(__name__)
+STAGE = "video_features"
+FORMAT = "vitpipe-video-features/1"
+PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
+DTYPES = {"float32": np.float32, "float16": np.float16}
+SCHEMA = pa.schema(
+    [
+        pa.field("features", pa.binary(), nullable=False),
+        pa.field("num_frames", pa.int32(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        pa.field("label", pa.int32(), nullable=False),
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("frame_indices", pa.list_(pa.int32()), nullable=False),
+        pa.field("fps", pa.float32(), nullable=False),
+    ]
+)
+COLUMNS = tuple(SCHEMA.names)
+
+__all__ = ["COLUMNS", "FORMAT", "SCHEMA", "VideoFeaturesConfig", "VideoFeaturesResult", "decode_features",
+           "load_config", "read_features_manifest", "run_video_features"]
+
+
+class VideoFeaturesConfig(BaseModel):
+    """Configuration of the video features stage (validated at construction; holds no credentials)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str = Field(description="video ingest output (local dir or s3://bucket/prefix)")
+    output: str = Field(description="where the feature shards go (local dir or s3://bucket/prefix)")
+    init: str | None = None  # the backbone's weights, as video_train's init: run id, runs:/, models:/, checkpoint dir
+    backbone: str | None = None  # 2-D backbone architecture; default: the init checkpoint's
+    backbone_overrides: dict[str, Any] = Field(default_factory=dict)
+    frame_size: int | None = Field(None, gt=0)  # square side the backbone sees; default: the backbone's image size
+    batch_size: int = Field(64, gt=0)  # frames per backbone forward
+    videos_per_batch: int = Field(4, gt=0)  # videos per actor call
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # of the backbone's forward ("auto": bf16 where native)
+    feature_dtype: Literal["float32", "float16"] = "float32"  # as stored
+    num_workers: int = Field(1, gt=0)  # actors in the pool, each with its own copy of the backbone
+    cpus_per_worker: float = Field(1.0, gt=0)  # also the actor's torch threads (rounded, at least 1)
+    compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
+    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// data and output
+    seed: int = 0  # draws a from-scratch backbone's weights (init none)
+    tracking_uri: str | None = None  # resolves runs:/ and models:/ inits; default $MLFLOW_TRACKING_URI
+    experiment: str = "vitpipe"  # the pipeline runner records the stage as a child run in this experiment
+
+    @field_validator("data", "output")
+    @classmethod
+    def _valid_uri(cls, value: str) -> str:
+        parse_uri(value)  # raises ValueError naming the URI
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> VideoFeaturesConfig:
+        if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
+            raise ValueError(f"output: {self.output} is the data's own location; features go elsewhere")
+        self.train_view()  # the backbone fields, checked as video_train checks them
+        return self
+
+    def train_view(self) -> Any:
+        """The video_train config whose `build_initial_model` builds this stage's backbone (frozen)."""
+        from pipelines.video_train import VideoTrainConfig
+
+        fields = dict(data=self.data, init=self.init, backbone=self.backbone, backbone_overrides=self.backbone_overrides,
+                      frame_size=self.frame_size, freeze_backbone=True, steps=1, endpoint_url=self.endpoint_url,
+                      seed=self.seed, tracking_uri=self.tracking_uri,
+                      vtn={"depth": 1, "num_heads": 1})  # the temporal encoder is not used here: the smallest one
+        try:
+            return VideoTrainConfig(**fields)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(str(first["msg"]).removeprefix("Value error, ")) from None
+
+
+class VideoFeaturesResult(BaseModel):
+    """What the stage hands on (`output` is a `data` for video_train)."""
+
+    output: str
+    manifest: dict[str, Any]
+    counts: dict[str, Any]
+    shards_written: int
+    shards_reused: int
+    skipped: bool  # the output was already complete for this config: nothing was done
+    seconds: float
+
+
+def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: Any) -> VideoFeaturesConfig:
+    """A `VideoFeaturesConfig` from a YAML/JSON file or a dict, with one-line errors."""
+    return load_stage_config(VideoFeaturesConfig, STAGE, source, overrides)
+
+
+# ---------------------------------------------------------------- the format
+
+
+def decode_features(row: dict[str, Any], dtype: str = "float32") -> np.ndarray:
+    """The `(T, D)` features of one row as float32 (`dtype`: the manifest's `feature_dtype`)."""
+    data = row["features"]
+    if isinstance(data, pa.Scalar):
+        data = data.as_buffer()
+    values = np.frombuffer(data, dtype=DTYPES[dtype])
+    t, d = int(row["num_frames"]), int(row["dim"])
+    if values.size != t * d:
+        raise ValueError(f"{row.get('key', 'row')}: {values.size} feature values do not make ({t}, {d})")
+    return values.reshape(t, d).astype(np.float32)
+
+
+def read_features_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
+    """The manifest of a finished video features output; raises `VitpipeError` (one line) otherwise."""
+    from pipelines.data import read_manifest
+    from pipelines.errors import VitpipeError
+
+    manifest = read_manifest(uri, endpoint_url=endpoint_url)
+    if manifest.get("format") != FORMAT:
+        raise VitpipeError(f"{uri}: not a video features output (format {manifest.get('format')!r}, expected {FORMAT!r})")
+    return manifest
+
+
+def features_table(features: list[np.ndarray], labels: list[int], keys: list[str], splits: list[str],
+                   frame_indices: list[Any], fps: list[float]) -> pa.Table:
+    """A feature shard table from per-video `(T, D)` arrays (already in the stored dtype)."""
+    return pa.Table.from_arrays(
+        [
+            pa.array([np.ascontiguousarray(f).tobytes() for f in features], pa.binary()),
+            pa.array([f.shape[0] for f in features], pa.int32()),
+            pa.array([f.shape[1] for f in features], pa.int32()),
+            pa.array(labels, pa.int32()),
+            pa.array(keys, pa.string()),
+            pa.array(splits, pa.string()),
+            pa.array([[int(i) for i in ix] for ix in frame_indices], pa.list_(pa.int32())),
+            pa.array(np.asarray(fps, dtype=np.float32), pa.float32()),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def table_hash(table: pa.Table) -> str:
+    """sha256 over a feature shard's rows: keys, labels, splits, frame indices, then the feature bytes."""
+    h = hashlib.sha256()
+    meta = [table.column(name).to_pylist() for name in ("key", "label", "split", "frame_indices", "num_frames", "dim")]
+    h.update(json.dumps(meta).encode())
+    for value in table.column("features").combine_chunks():
+        h.update(value.as_buffer())
+    return h.hexdigest()
+
+
+def weights_hash(module: Any) -> str:
+    """sha256 of a module's state dict (names, dtypes, shapes and values): which backbone made the features."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------- the actors
+
+
+class FrameFeatures:
+    """Ray Data UDF (one per actor): video rows → feature rows, with the backbone loaded once."""
+
+    def __init__(self, model: list[Any], frame_size: int, batch_size: int, bf16: bool, dtype: str, threads: int) -> None:
+        import ray
+        import torch
+
+        torch.set_num_threads(threads)
+        ref = model[0]  # in a list, so Ray hands over the reference and the actor fetches the model once
+        self.model = (ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref).eval()
+        self.size, self.batch_size, self.bf16, self.dtype = frame_size, batch_size, bf16, DTYPES[dtype]
+
+    def features(self, frames: np.ndarray) -> np.ndarray:
+        """`(T, D)` features of one stored video's uint8 frames `(T, H, W, 3)`."""
+        import torch
+
+        from pipelines.video_data import prepare_full_video
+
+        square = prepare_full_video(frames, self.size)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            feats = self.model.frame_features(square[None], chunk_size=self.batch_size)[0]
+        return feats.float().numpy().astype(self.dtype)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        from pipelines.video_shards import read_video_rows
+
+        rows = list(read_video_rows(table))
+        out = features_table([self.features(r["frames"]) for r in rows], [r["label"] for r in rows],
+                             [r["key"] for r in rows], [r["split"] for r in rows],
+                             [r["frame_indices"] for r in rows], [r["fps"] for r in rows])
+        if "path" not in table.column_names:
+            return out
+        # Which video shard each row came from (Ray Data's `include_paths`): the driver groups rows by it.
+        return out.append_column("path", pa.array([posixpath.basename(p) for p in table.column("path").to_pylist()]))
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
+                       ray_address: str | None = None) -> VideoFeaturesResult:
+    """Run (or resume, or skip) the stage; `force` recomputes every shard.
+
+    Raises `VitpipeError`/`StorageError` (one line naming the URI) when the data is
+    not a finished video ingest output or the output cannot be written, and a
+    one-line ValueError naming the field for a backbone that cannot be built.
+    """
+    import ray
+
+    from pipelines.ingest import _check_output, _finished_manifest, _remove_stale_shards
+    from pipelines.storage import open_store
+    from pipelines.train_step import resolve_precision
+    from pipelines.video_data import class_names, manifest_digest, read_video_manifest, shard_keys
+    from pipelines.video_train import build_initial_model
+
+    start = time.perf_counter()
+    source_manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
+    source = open_store(config.data, endpoint_url=config.endpoint_url)
+    out = open_store(config.output, endpoint_url=config.endpoint_url)
+    _check_output(out)
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    initial = build_initial_model(config.train_view(), len(class_names(source_manifest)), tracking_uri)
+    import torch
+
+    bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None
+    backbone = {
+        "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,
+        "overrides": initial.model.config.backbone_overrides, "weights_hash": weights_hash(initial.model.backbone),
+        "feature_dim": int(initial.model.backbone.num_features),
+    }
+    identity = {"format": FORMAT, "data": manifest_digest(source_manifest), "weights": backbone["weights_hash"],
+                "frame_size": initial.frame_size, "precision": "bf16" if bf16 else "fp32",
+                "feature_dtype": config.feature_dtype}
+    fingerprint = shards.fingerprint(identity)
+    done = None if force else _finished_manifest(out, fingerprint)
+    if done is not None:
+        logger.info("%s: %s is complete for this config; nothing to do", STAGE, config.output)
+        return VideoFeaturesResult(output=config.output, manifest=done, counts=done["counts"], shards_written=0,
+                                   shards_reused=0, skipped=True, seconds=time.perf_counter() - start)
+    out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
+    if force:
+        _remove_stale_shards(out, keep=set())
+
+    keys = shard_keys(source, source_manifest)
+    summaries, todo = {}, []
+    for key in keys:
+        reused = _reusable(out, key, _shard_fingerprint(fingerprint, key))
+        if reused is not None:
+            summaries[key] = reused
+        else:
+            todo.append(key)
+    if todo:
+        if not ray.is_initialized():
+            ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+        summaries.update(_compute(config, initial, bf16, source, out, todo, fingerprint))
+    ordered = [summaries[k] for k in keys]
+    _remove_stale_shards(out, set(keys))
+    manifest = _assemble_manifest(config, source_manifest, initial.frame_size, backbone, identity, fingerprint, ordered)
+    out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
+    written = sum(not s.get("reused") for s in ordered)
+    logger.info("%s: %d videos in %d shards (%d written, %d reused) -> %s", STAGE, manifest["counts"]["videos"],
+                len(ordered), written, len(ordered) - written, config.output)
+    return VideoFeaturesResult(output=config.output, manifest=manifest, counts=manifest["counts"],
+                               shards_written=written, shards_reused=len(ordered) - written, skipped=False,
+                               seconds=time.perf_counter() - start)
+
+
+def _shard_fingerprint(fingerprint: str, key: str) -> str:
+    return shards.fingerprint({"run": fingerprint, "source_shard": key})
+
+
+def _reusable(out: Any, key: str, shard_fingerprint: str) -> dict[str, Any] | None:
+    from pipelines.ingest import existing_summary
+
+    return existing_summary(out, key, shard_fingerprint)
+
+
+def _compute(config: VideoFeaturesConfig, initial: Any, bf16: bool, source: Any, out: Any, keys: list[str],
+             fingerprint: str) -> dict[str, dict[str, Any]]:
+    """Features of the video shards `keys` on the actor pool; each feature shard is written once all its rows came."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import ray.data
+
+    from pipelines import video_shards
+
+    filesystem, _ = source.arrow()
+    paths = {key: source.arrow(key)[1] for key in keys}
+    expected = {key: pq.read_metadata(path, filesystem=filesystem).num_rows for key, path in paths.items()}
+    by_name = {posixpath.basename(path): key for key, path in paths.items()}
+    parts: dict[str, list[pa.Table]] = {key: [] for key in keys}
+    got = Counter()
+    summaries = {key: _write(config, out, key, [], fingerprint) for key in keys if expected[key] == 0}
+    model = ray.put(initial.model)
+    threads = max(1, round(config.cpus_per_worker))
+    ds = (ray.data.read_parquet([paths[k] for k in keys if expected[k]], filesystem=filesystem, include_paths=True)
+          .select_columns([*video_shards.COLUMNS, "path"]))
+    ds = ds.map_batches(
+        FrameFeatures, fn_constructor_kwargs=dict(model=[model], frame_size=initial.frame_size,
+                                                  batch_size=config.batch_size, bf16=bf16,
+                                                  dtype=config.feature_dtype, threads=threads),
+        batch_size=config.videos_per_batch, batch_format="pyarrow", concurrency=config.num_workers,
+        num_cpus=config.cpus_per_worker,
+    )
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        for name in set(batch.column("path").to_pylist()):
+            key = by_name[name]
+            part = batch.filter(pc.equal(batch.column("path"), name)).drop_columns(["path"])
+            parts[key].append(part)
+            got[key] += part.num_rows
+            if got[key] == expected[key]:
+                summaries[key] = _write(config, out, key, parts.pop(key), fingerprint)
+    missing = sorted(set(keys) - set(summaries))
+    if missing:
+        from pipelines.errors import VitpipeError
+
+        raise VitpipeError(f"{source.child_uri(missing[0])}: {got[missing[0]]} of {expected[missing[0]]} videos came back")
+    return summaries
+
+
+def _write(config: VideoFeaturesConfig, out: Any, key: str, parts: list[pa.Table], fingerprint: str) -> dict[str, Any]:
+    """Write one feature shard atomically (rows in key order), its summary in the Parquet footer."""
+    table = pa.concat_tables(parts) if parts else SCHEMA.empty_table()
+    table = table.select(list(COLUMNS)).cast(SCHEMA).sort_by("key")
+    splits = table.column("split").to_pylist()
+    summary = {"key": key, "plan_fingerprint": _shard_fingerprint(fingerprint, key), "rows": table.num_rows,
+               "split": dict(Counter(splits)), "frames": int(sum(table.column("num_frames").to_pylist())),
+               "hash": table_hash(table)}
+    shards.write_shard(out, key, table, summary, config.compression)
+    return summary
+
+
+def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], frame_size: int, backbone: dict[str, Any],
+                       identity: dict[str, Any], fingerprint: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    from pipelines.storage import S3Settings
+
+    counts = dict(source.get("counts") or {})
+    counts["videos"] = sum(s["rows"] for s in summaries)
+    counts["frames"] = sum(s["frames"] for s in summaries)
+    tree = {"identity": identity, "shards": [s["hash"] for s in summaries]}
+    public = config.model_dump(mode="json")
+    public["endpoint_url"] = S3Settings.resolve(config.endpoint_url).public()["endpoint_url"]
+    return {
+        "format": FORMAT,
+        "source": {"uri": tracking.strip_userinfo(config.data), "format": source.get("format"),
+                   "content_hash": identity["data"]},
+        "backbone": backbone,
+        "feature_dim": backbone["feature_dim"],
+        "feature_dtype": config.feature_dtype,
+        "frame_size": frame_size,
+        "frame_preparation": PREPARATION,
+        "precision": identity["precision"],
+        "sampling": source.get("sampling") or {},
+        "classes": source["classes"],
+        "num_classes": len(source["classes"]),
+        "counts": counts,
+        "shards": [{"path": s["key"], "rows": s["rows"], "split": s["split"]} for s in summaries],
+        "content_hash": "sha256:" + hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest(),
+        "fingerprint": fingerprint,
+        "config": public,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.video_features --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    return stage_main(STAGE, load_config, run_video_features, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
