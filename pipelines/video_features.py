@@ -255,28 +255,21 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     one-line ValueError naming the field for a backbone that cannot be built.
     """
     import ray
+    import torch
 
-    from pipelines.ingest import _check_output, _finished_manifest, _remove_stale_shards
+    from pipelines.errors import VitpipeError
+    from pipelines.ingest import _check_output, _finished_manifest, _remove_stale_shards, existing_summary
     from pipelines.storage import open_store
     from pipelines.train_step import resolve_precision
-    from pipelines.video_data import class_names, manifest_digest, read_video_manifest, shard_keys
-    from pipelines.video_train import build_initial_model
+    from pipelines.video_data import manifest_digest, read_video_manifest, shard_keys
 
     start = time.perf_counter()
     source_manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
     source = open_store(config.data, endpoint_url=config.endpoint_url)
     out = open_store(config.output, endpoint_url=config.endpoint_url)
     _check_output(out)
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
-    initial = build_initial_model(config.train_view(), len(class_names(source_manifest)), tracking_uri)
-    import torch
-
-    bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None
-    backbone = {
-        "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,
-        "overrides": initial.model.config.backbone_overrides, "weights_hash": weights_hash(initial.model.backbone),
-        "feature_dim": int(initial.model.backbone.num_features),
-    }
+    initial, backbone = _load_backbone(config, source_manifest)
+    bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None  # resolved here, the same for all actors
     identity = {"format": FORMAT, "data": manifest_digest(source_manifest), "weights": backbone["weights_hash"],
                 "frame_size": initial.frame_size, "precision": "bf16" if bf16 else "fp32",
                 "feature_dtype": config.feature_dtype}
@@ -293,7 +286,7 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     keys = shard_keys(source, source_manifest)
     summaries, todo = {}, []
     for key in keys:
-        reused = _reusable(out, key, _shard_fingerprint(fingerprint, key))
+        reused = existing_summary(out, key, _shard_fingerprint(fingerprint, key))  # finished by an earlier run
         if reused is not None:
             summaries[key] = reused
         else:
@@ -305,6 +298,10 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     ordered = [summaries[k] for k in keys]
     _remove_stale_shards(out, set(keys))
     manifest = _assemble_manifest(config, source_manifest, initial.frame_size, backbone, identity, fingerprint, ordered)
+    listed = (source_manifest.get("counts") or {}).get("videos")
+    if listed is not None and listed != manifest["counts"]["videos"]:
+        raise VitpipeError(f"{tracking.strip_userinfo(config.data)}: the manifest lists {listed} videos, the shards hold "
+                           f"{manifest['counts']['videos']}")
     out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
     written = sum(not s.get("reused") for s in ordered)
@@ -315,14 +312,23 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
                                seconds=time.perf_counter() - start)
 
 
+def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The frozen VTN whose backbone computes the features (built by video_train's `build_initial_model`),
+    and the backbone as the manifest records it."""
+    from pipelines.video_data import class_names
+    from pipelines.video_train import build_initial_model
+
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    initial = build_initial_model(config.train_view(), len(class_names(source_manifest)), tracking_uri)
+    return initial, {
+        "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,
+        "overrides": initial.model.config.backbone_overrides, "weights_hash": weights_hash(initial.model.backbone),
+        "feature_dim": int(initial.model.backbone.num_features),
+    }
+
+
 def _shard_fingerprint(fingerprint: str, key: str) -> str:
     return shards.fingerprint({"run": fingerprint, "source_shard": key})
-
-
-def _reusable(out: Any, key: str, shard_fingerprint: str) -> dict[str, Any] | None:
-    from pipelines.ingest import existing_summary
-
-    return existing_summary(out, key, shard_fingerprint)
 
 
 def _compute(config: VideoFeaturesConfig, initial: Any, bf16: bool, source: Any, out: Any, keys: list[str],

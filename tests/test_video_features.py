@@ -285,3 +285,13 @@ def test_spec_accepts_a_video_features_stage_and_wires_it_into_video_train(tmp_p
     assert (feats.data, feats.init, feats.output) == ("/data/videos", run, f"{tmp_path}/store/data/feats")
     vtn = spec.config_for("vtn", {"feats": {"output": feats.output}})
     assert (vtn.data, vtn.init) == (feats.output, run)
+
+
+def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
+    from pipelines.video_features import main
+
+    path = tmp_path / "features.yaml"
+    path.write_text(f"data: {tmp_path}/videos\noutput: {tmp_path}/features\ninit: {tmp_path}\nnum_workers: 0\n")
+    assert main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: video_features config: num_workers") and "\n" not in err
