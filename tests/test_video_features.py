@@ -188,6 +188,25 @@ def test_feature_clips_take_the_frames_seeded_frame_clips_take(extracted, video_
     assert clips["features"].shape == (len(frames["label"]), 4, 32) and clips["features"].dtype == np.float32
 
 
+def test_both_evaluation_modes_on_features_give_what_the_vtn_gives_on_the_frames(extracted, video_data, backbone_run):
+    from pipelines.feature_data import FeaturePredictor
+
+    _, result = extracted
+    config = train_config(result.output, backbone_run, train_frames=3, multiview_clips=4, full_video_frames=6)
+    model = build_initial_model(config, len(CLASSES), backbone_run["tracking_uri"]).model.eval()
+    stored = {row["key"]: decode_features(row) for row in stored_rows(result.output)}
+    predict = FeaturePredictor(model, config)
+    for video in list(iter_videos(video_data, "test"))[:3]:
+        _, square = _prepared(video.frames, 32)
+        features = torch.from_numpy(stored[video.key])
+        with torch.no_grad():
+            torch.testing.assert_close(predict("full_video", features), model.predict_full_video(square, num_frames=6),
+                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(predict("multiview", features),
+                                       model.predict_multiview(square, clips=4, crops=1, clip_frames=3),
+                                       rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------- training on features alone
 
 
