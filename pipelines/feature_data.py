@@ -5,7 +5,7 @@ format "vitpipe-video-features/1"), the backbone is frozen and never run:
 
 * training clips are feature clips `features` float32 `(T, D)`, `frame_positions`
   `(T,)`, `label`, their frames chosen by the same seeded rules as frame clips
-  (`video_data._clip_indices` with `_clip_rngs`), so a seeded run picks the same
+  (`video_data.clip_indices_of` with `clip_rngs`), so a seeded run picks the same
   frames from features as from pixels; the worker loop (`modality="features"`)
   runs `VTN.forward_features_from_frames` through `FromFrameFeatures`;
 * full-video evaluation runs on the stored features of the frames
@@ -28,7 +28,7 @@ from torch import nn
 
 from pipelines.errors import VitpipeError
 from pipelines.storage import open_store
-from pipelines.video_data import ClipSpec, _clip_indices, _clip_rngs, shard_keys
+from pipelines.video_data import ClipSpec, clip_indices_of, clip_rngs, shard_keys
 
 COLUMNS = ("features", "num_frames", "dim", "label", "key", "split")  # what training reads
 MULTIVIEW_NOTE = "features of the centre square: multiview_clips clips x 1 crop (crops need pixels)"
@@ -117,8 +117,8 @@ def _feature_clip_batch(table: Any, *, spec: ClipSpec, dtype: str, dim: int, see
     videos, labels, keys = _decode(table, dtype), table.column("label").to_numpy(), table.column("key").to_pylist()
     clips, positions, out_labels = [], [], []
     for round_ in range(spec.clips_per_video if spec.train else 1):  # as `video_data._clip_batch`
-        for video, y, rng in zip(videos, labels, _clip_rngs(keys, spec, seed, epoch, round_)):
-            idx = _clip_indices(len(video), spec, rng)
+        for video, y, rng in zip(videos, labels, clip_rngs(keys, spec, seed, epoch, round_)):
+            idx = clip_indices_of(len(video), spec, rng)
             clips.append(video[idx])
             positions.append(idx)
             out_labels.append(int(y))
@@ -194,7 +194,7 @@ def multiview_clip_indices(total: int, clips: int, length: int, stride: int) -> 
 
 
 class FeaturePredictor:
-    """`video_train.evaluate_modes`' predictor on stored features: the VTN's two modes without its backbone."""
+    """`video_eval.evaluate_modes`' predictor on stored features: the VTN's two modes without its backbone."""
 
     def __init__(self, model: Any, config: Any) -> None:
         self.model, self.config = model, config

@@ -174,7 +174,7 @@ class ClipSpec:
     hflip: bool = False  # random horizontal flips (training); off by default: flips reverse left-right motion
 
 
-def _clip_indices(total: int, spec: ClipSpec, rng: np.random.Generator | None) -> np.ndarray:
+def clip_indices_of(total: int, spec: ClipSpec, rng: np.random.Generator | None) -> np.ndarray:
     """Stored-frame indices of one clip: over the whole row, or within one of its stored clips."""
     length = spec.stored_clip_length
     if not length or total < length:
@@ -184,7 +184,7 @@ def _clip_indices(total: int, spec: ClipSpec, rng: np.random.Generator | None) -
     return k * length + sample_clip_indices(length, spec.frames, spec.sampling, rng, spec.stride)
 
 
-def _clip_rngs(keys: list[str], spec: ClipSpec, seed: int | None, epoch: int, round_: int) -> list[Any]:
+def clip_rngs(keys: list[str], spec: ClipSpec, seed: int | None, epoch: int, round_: int) -> list[Any]:
     """One generator per video for one round of clips: `(seed, epoch, round, key)` decides it when
     seeded, so a run's clips do not depend on which worker or batch a video lands in; fresh otherwise."""
     if not spec.train:
@@ -207,8 +207,8 @@ def _clip_batch(table: Any, *, spec: ClipSpec, seed: int | None = None, epoch: i
     # Round by round, one clip of each video per round: a video's clips never come out back to back,
     # so a training batch mixes videos (and classes) rather than holding clips of one video.
     for round_ in range(spec.clips_per_video if spec.train else 1):
-        for video, y, rng in zip(videos, labels, _clip_rngs(keys, spec, seed, epoch, round_)):
-            idx = _clip_indices(len(video), spec, rng)
+        for video, y, rng in zip(videos, labels, clip_rngs(keys, spec, seed, epoch, round_)):
+            idx = clip_indices_of(len(video), spec, rng)
             clip = square_crop(video[idx], float(rng.random()) if rng is not None else 0.5)
             clip = resize_frames(clip, spec.size)
             if spec.hflip and rng is not None and rng.random() < 0.5:

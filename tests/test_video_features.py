@@ -25,7 +25,8 @@ from pipelines.errors import VitpipeError
 from pipelines.feature_data import MULTIVIEW_NOTE, _feature_clip_batch, read_training_manifest
 from pipelines.video_data import ClipSpec, _clip_batch, iter_videos, read_video_manifest
 from pipelines.video_features import FORMAT, FrameFeatures, decode_features, load_config, run_video_features
-from pipelines.video_train import _prepared, build_initial_model
+from pipelines.video_eval import frame_views
+from pipelines.video_train import build_initial_model
 from pipelines.video_train import load_config as load_train_config
 from pipelines.video_train import run_video_train
 from tests.video_fixtures import CLASSES, pretrain_position_backbone, write_video_shards
@@ -106,7 +107,7 @@ def test_stored_features_equal_vtn_frame_features_of_the_prepared_frames(extract
     checked = 0
     for split in video_shards.SPLITS:
         for video in iter_videos(video_data, split):
-            _, square = _prepared(video.frames, manifest["frame_size"])  # what full-video evaluation sees
+            _, square = frame_views(video.frames, manifest["frame_size"])  # what full-video evaluation sees
             with torch.no_grad():
                 expected = model.frame_features(square[None])[0].numpy()
             assert stored[video.key].shape == (FRAMES, manifest["feature_dim"])
@@ -197,7 +198,7 @@ def test_both_evaluation_modes_on_features_give_what_the_vtn_gives_on_the_frames
     stored = {row["key"]: decode_features(row) for row in stored_rows(result.output)}
     predict = FeaturePredictor(model, config)
     for video in list(iter_videos(video_data, "test"))[:3]:
-        _, square = _prepared(video.frames, 32)
+        _, square = frame_views(video.frames, 32)
         features = torch.from_numpy(stored[video.key])
         with torch.no_grad():
             torch.testing.assert_close(predict("full_video", features), model.predict_full_video(square, num_frames=6),

@@ -21,15 +21,8 @@ from mlflow.tracking import MlflowClient
 import vit
 from pipelines import tracking
 from pipelines.video_data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
-from pipelines.video_train import (
-    ATTENTION_FIGURE,
-    ATTENTION_VALUES,
-    EVAL_TABLE,
-    build_initial_model,
-    load_config,
-    main,
-    run_video_train,
-)
+from pipelines.video_eval import ATTENTION_FIGURE, ATTENTION_VALUES, EVAL_TABLE
+from pipelines.video_train import build_initial_model, load_config, main, run_video_train
 from tests.video_fixtures import pretrain_position_backbone, write_video_shards
 
 TEMPORAL = dict(depth=2, num_heads=2, window=8, head_dropout=0.0, attn_dropout=0.0)
