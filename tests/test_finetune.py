@@ -29,6 +29,7 @@ from pipelines.data import read_manifest
 from pipelines.errors import VitpipeError
 from pipelines.finetune import FinetuneConfig, FinetuneResult, run_finetune
 from pipelines.starting_weights import fetch_starting_weights
+from tests.process_output import result_json
 from tests.transfer_fixtures import DIGITS_SIZE
 
 pytestmark = pytest.mark.slow
@@ -199,7 +200,7 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
     with open(log, "ab") as out:
         second = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=500)
     assert second.returncode == 0, log.read_text()[-3000:]
-    result = json.loads(log.read_text().strip().splitlines()[-1])
+    result = result_json(log.read_text())
 
     assert set(result["trial_status"]) == set(before) and len(before) == 2  # no trial was added or replaced
     assert set(result["trial_status"].values()) == {"completed"}

@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 import vit
 from pipelines import tracking
 from pipelines.pretrain import PretrainConfig, TrainingDivergedError, run_pretrain
+from tests.process_output import result_json
 
 pytestmark = pytest.mark.slow
 
@@ -352,7 +353,7 @@ def test_rerun_after_the_driver_is_killed_resumes_from_its_last_checkpoint(corpu
         if second.poll() is None:
             os.killpg(second.pid, signal.SIGKILL)
             second.wait()
-    result = json.loads(log.read_text().strip().splitlines()[-1])
+    result = result_json(log.read_text())
 
     client = MlflowClient(config.tracking_uri)
     tags = client.get_run(result["run_id"]).data.tags
