@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "normalize",
     "patch_dataset",
     "read_manifest",
+    "seeded_passes",
 ]
 
 PATCH_MEAN = 0.5  # per channel, on pixels scaled to [0, 1]
@@ -132,6 +134,46 @@ def _decode_batch(
     return {"patches": normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
 
 
+def seeded_passes(
+    paths: list[str],
+    filesystem: Any,
+    *,
+    split: str,
+    columns: Sequence[str],
+    shuffle: bool,
+    seed: int | None,
+    epochs: int,
+    decode: Callable[..., dict[str, np.ndarray]],
+    fn_kwargs: dict[str, Any],
+    batch_size: int,
+) -> Any:
+    """`epochs` passes over the `split` rows of Parquet files (on `filesystem`), chained into one Ray Dataset.
+
+    Pass `e` reads the files in shuffled order when `shuffle` (fixed by `seed + e`
+    when seeded, fresh otherwise) and maps `decode(batch, **fn_kwargs, seed=seed, epoch=e)`
+    over pyarrow batches of `batch_size` rows. The image, clip and feature datasets
+    all stream through here, so a seed picks their file orders the same way.
+    """
+    import ray.data
+    from ray.data.expressions import col
+
+    passes = []
+    for epoch in range(epochs):
+        order = None
+        if shuffle:
+            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
+        ds = (
+            ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order)
+            .select_columns(list(columns))
+            .filter(expr=col("split") == split)
+        )
+        passes.append(
+            ds.map_batches(decode, fn_kwargs={**fn_kwargs, "seed": seed, "epoch": epoch},
+                           batch_format="pyarrow", batch_size=batch_size)
+        )
+    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
+
+
 def patch_dataset(
     uri: str,
     split: str,
@@ -151,9 +193,6 @@ def patch_dataset(
     when `seed` is given; mix rows further with `local_shuffle_buffer_size` when
     iterating. `epochs` > 1 chains that many passes (each with its own crops).
     """
-    import ray.data
-    from ray.data.expressions import col
-
     if split not in shards.SPLITS:
         raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
     if epochs < 1:
@@ -165,27 +204,12 @@ def patch_dataset(
         raise VitpipeError(f"{store.uri}: split {split!r} has no images")
     filesystem, _ = store.arrow()
     paths = [store.arrow(k)[1] for k in keys]
-    shuffle = augment if shuffle is None else shuffle
-    passes = []
-    for epoch in range(epochs):
-        order = None
-        if shuffle:
-            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
-        ds = (
-            ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order)
-            .select_columns(["patches", "label", "key", "split"])
-            .filter(expr=col("split") == split)
-        )
-        layout = (manifest["num_patches"], manifest["patch_dim"], manifest["patch_size"], tuple(manifest["grid"]))
-        passes.append(
-            ds.map_batches(
-                _decode_batch,
-                fn_kwargs={"layout": layout, "augment": augment, "seed": seed, "epoch": epoch, "aug": aug or AugmentConfig()},
-                batch_format="pyarrow",
-                batch_size=batch_size,
-            )
-        )
-    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
+    layout = (manifest["num_patches"], manifest["patch_dim"], manifest["patch_size"], tuple(manifest["grid"]))
+    return seeded_passes(
+        paths, filesystem, split=split, columns=("patches", "label", "key", "split"),
+        shuffle=augment if shuffle is None else shuffle, seed=seed, epochs=epochs, decode=_decode_batch,
+        fn_kwargs={"layout": layout, "augment": augment, "aug": aug or AugmentConfig()}, batch_size=batch_size,
+    )
 
 
 def load_split(

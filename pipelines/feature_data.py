@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from pipelines.data import seeded_passes
 from pipelines.errors import VitpipeError
 from pipelines.storage import open_store
 from pipelines.video_data import ClipSpec, clip_indices_of, clip_rngs, shard_keys
@@ -131,23 +132,12 @@ def _feature_clip_batch(table: Any, *, spec: ClipSpec, dtype: str, dim: int, see
 def feature_clip_dataset(uri: str, manifest: dict[str, Any], split: str, spec: ClipSpec, *, seed: int | None = None,
                          epochs: int = 1, endpoint_url: str | None = None, batch_size: int = 8) -> Any:
     """A Ray Dataset of feature clips from one split, with `video_data.clip_dataset`'s passes and seeding."""
-    import ray.data
-    from ray.data.expressions import col
-
     store = open_store(uri, endpoint_url=endpoint_url)
     filesystem, _ = store.arrow()
     paths = [store.arrow(k)[1] for k in shard_keys(store, manifest, split)]
     kwargs = {"spec": spec, "dtype": manifest.get("feature_dtype", "float32"), "dim": int(manifest["feature_dim"])}
-    passes = []
-    for epoch in range(epochs):
-        order = None
-        if spec.train:
-            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
-        ds = (ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order).select_columns(list(COLUMNS))
-              .filter(expr=col("split") == split))
-        passes.append(ds.map_batches(_feature_clip_batch, fn_kwargs={**kwargs, "seed": seed, "epoch": epoch},
-                                     batch_format="pyarrow", batch_size=batch_size))
-    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
+    return seeded_passes(paths, filesystem, split=split, columns=COLUMNS, shuffle=spec.train, seed=seed, epochs=epochs,
+                         decode=_feature_clip_batch, fn_kwargs=kwargs, batch_size=batch_size)
 
 
 # ---------------------------------------------------------------- whole videos for evaluation

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pipelines import shards, video_shards
-from pipelines.data import PATCH_MEAN, PATCH_STD, key_seed
+from pipelines.data import PATCH_MEAN, PATCH_STD, key_seed, seeded_passes
 from pipelines.errors import VitpipeError
 from pipelines.storage import Store, open_store
 
@@ -231,9 +231,6 @@ def clip_dataset(uri: str, split: str, spec: ClipSpec, *, seed: int | None = Non
     the file order of pass `e` and every clip depend only on `(seed, e, video key)`,
     so a run is reproducible. `epochs` > 1 chains that many passes.
     """
-    import ray.data
-    from ray.data.expressions import col
-
     if split not in shards.SPLITS:
         raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
     if epochs < 1:
@@ -242,19 +239,8 @@ def clip_dataset(uri: str, split: str, spec: ClipSpec, *, seed: int | None = Non
     manifest = read_video_manifest(uri, endpoint_url=endpoint_url)
     filesystem, _ = store.arrow()
     paths = [store.arrow(k)[1] for k in shard_keys(store, manifest, split)]
-    passes = []
-    for epoch in range(epochs):
-        order = None
-        if spec.train:
-            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
-        ds = (
-            ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order)
-            .select_columns(list(COLUMNS))
-            .filter(expr=col("split") == split)
-        )
-        passes.append(ds.map_batches(_clip_batch, fn_kwargs={"spec": spec, "seed": seed, "epoch": epoch},
-                                     batch_format="pyarrow", batch_size=batch_size))
-    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
+    return seeded_passes(paths, filesystem, split=split, columns=COLUMNS, shuffle=spec.train, seed=seed, epochs=epochs,
+                         decode=_clip_batch, fn_kwargs={"spec": spec}, batch_size=batch_size)
 
 
 def normalize_video(frames: Any) -> Any:
