@@ -29,7 +29,7 @@ from torch import nn
 from pipelines.data import seeded_passes
 from pipelines.errors import VitpipeError
 from pipelines.storage import open_store
-from pipelines.video_data import ClipSpec, clip_indices_of, clip_rngs, shard_keys
+from pipelines.video_data import ClipSpec, clip_rounds, shard_keys
 
 COLUMNS = ("features", "num_frames", "dim", "label", "key", "split")  # what training reads
 MULTIVIEW_NOTE = "features of the centre square: multiview_clips clips x 1 crop (crops need pixels)"
@@ -115,18 +115,11 @@ def _decode(table: Any, dtype: str) -> list[np.ndarray]:
 def _feature_clip_batch(table: Any, *, spec: ClipSpec, dtype: str, dim: int, seed: int | None = None,
                         epoch: int = 0) -> dict[str, np.ndarray]:
     """Ray Data UDF: feature rows → clips `features` float32 `(N, T, D)`, `frame_positions`, `label`."""
-    videos, labels, keys = _decode(table, dtype), table.column("label").to_numpy(), table.column("key").to_pylist()
-    clips, positions, out_labels = [], [], []
-    for round_ in range(spec.clips_per_video if spec.train else 1):  # as `video_data._clip_batch`
-        for video, y, rng in zip(videos, labels, clip_rngs(keys, spec, seed, epoch, round_)):
-            idx = clip_indices_of(len(video), spec, rng)
-            clips.append(video[idx])
-            positions.append(idx)
-            out_labels.append(int(y))
-    if not clips:
-        return {"features": np.zeros((0, spec.frames, dim), np.float32),
-                "frame_positions": np.zeros((0, spec.frames), np.int64), "label": np.zeros((0,), np.int64)}
-    return {"features": np.stack(clips), "frame_positions": np.stack(positions), "label": np.asarray(out_labels, np.int64)}
+    clips, positions, labels = clip_rounds(_decode(table, dtype), table.column("label").to_numpy(),
+                                           table.column("key").to_pylist(), spec, seed, epoch,
+                                           lambda video, idx, rng: video[idx])
+    features = np.stack(clips) if clips else np.zeros((0, spec.frames, dim), np.float32)
+    return {"features": features, "frame_positions": positions, "label": labels}
 
 
 def feature_clip_dataset(uri: str, manifest: dict[str, Any], split: str, spec: ClipSpec, *, seed: int | None = None,

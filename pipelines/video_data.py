@@ -18,7 +18,7 @@ evaluation modes. Whole videos for evaluation come from `iter_videos`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -195,31 +195,46 @@ def clip_rngs(keys: list[str], spec: ClipSpec, seed: int | None, epoch: int, rou
     return [np.random.default_rng([seed, epoch, round_, *key_seed(key)]) for key in keys]
 
 
-def _clip_batch(table: Any, *, spec: ClipSpec, seed: int | None = None, epoch: int = 0) -> dict[str, np.ndarray]:
-    """Ray Data UDF: video rows → clips `frames` uint8 `(N, T, S, S, 3)`, `frame_positions`, `label`."""
-    column = table.column("frames").to_pylist()
-    counts = table.column("num_frames").to_numpy()
-    heights, widths = table.column("height").to_numpy(), table.column("width").to_numpy()
-    labels = table.column("label").to_numpy()
-    keys = table.column("key").to_pylist()
+def clip_rounds(videos: list[np.ndarray], labels: Any, keys: list[str], spec: ClipSpec, seed: int | None, epoch: int,
+                cut: Callable[[np.ndarray, np.ndarray, Any], np.ndarray],
+                ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """A batch's clips: `(clips, frame_positions (N, T), labels (N,))`, where `cut(video, indices, rng)` makes one
+    clip from a video's stored rows at `clip_indices_of`'s indices (`rng` is the clip's, None when centred).
+
+    Frame clips and feature clips both come from here, so a seeded run picks the same frames from either.
+    """
     clips, positions, out_labels = [], [], []
-    videos = [decode_frames(data, int(t), int(h), int(w)) for data, t, h, w in zip(column, counts, heights, widths)]
     # Round by round, one clip of each video per round: a video's clips never come out back to back,
     # so a training batch mixes videos (and classes) rather than holding clips of one video.
     for round_ in range(spec.clips_per_video if spec.train else 1):
         for video, y, rng in zip(videos, labels, clip_rngs(keys, spec, seed, epoch, round_)):
             idx = clip_indices_of(len(video), spec, rng)
-            clip = square_crop(video[idx], float(rng.random()) if rng is not None else 0.5)
-            clip = resize_frames(clip, spec.size)
-            if spec.hflip and rng is not None and rng.random() < 0.5:
-                clip = clip[:, :, ::-1]
-            clips.append(np.ascontiguousarray(clip))
+            clips.append(cut(video, idx, rng))
             positions.append(idx)
             out_labels.append(int(y))
     if not clips:
-        return {"frames": np.zeros((0, spec.frames, spec.size, spec.size, 3), np.uint8),
-                "frame_positions": np.zeros((0, spec.frames), np.int64), "label": np.zeros((0,), np.int64)}
-    return {"frames": np.stack(clips), "frame_positions": np.stack(positions), "label": np.asarray(out_labels, np.int64)}
+        return clips, np.zeros((0, spec.frames), np.int64), np.zeros((0,), np.int64)
+    return clips, np.stack(positions), np.asarray(out_labels, np.int64)
+
+
+def _clip_batch(table: Any, *, spec: ClipSpec, seed: int | None = None, epoch: int = 0) -> dict[str, np.ndarray]:
+    """Ray Data UDF: video rows → clips `frames` uint8 `(N, T, S, S, 3)`, `frame_positions`, `label`."""
+    column = table.column("frames").to_pylist()
+    counts = table.column("num_frames").to_numpy()
+    heights, widths = table.column("height").to_numpy(), table.column("width").to_numpy()
+    videos = [decode_frames(data, int(t), int(h), int(w)) for data, t, h, w in zip(column, counts, heights, widths)]
+
+    def cut(video: np.ndarray, idx: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        clip = square_crop(video[idx], float(rng.random()) if rng is not None else 0.5)
+        clip = resize_frames(clip, spec.size)
+        if spec.hflip and rng is not None and rng.random() < 0.5:
+            clip = clip[:, :, ::-1]
+        return np.ascontiguousarray(clip)
+
+    clips, positions, labels = clip_rounds(videos, table.column("label").to_numpy(), table.column("key").to_pylist(),
+                                           spec, seed, epoch, cut)
+    frames = np.stack(clips) if clips else np.zeros((0, spec.frames, spec.size, spec.size, 3), np.uint8)
+    return {"frames": frames, "frame_positions": positions, "label": labels}
 
 
 def clip_dataset(uri: str, split: str, spec: ClipSpec, *, seed: int | None = None, epochs: int = 1,
