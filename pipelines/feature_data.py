@@ -27,7 +27,6 @@ import numpy as np
 from torch import nn
 
 from pipelines.data import seeded_passes
-from pipelines.errors import VitpipeError
 from pipelines.storage import open_store
 from pipelines.video_data import ClipSpec, clip_rounds, shard_keys
 
@@ -48,15 +47,10 @@ def is_features(manifest: dict[str, Any]) -> bool:
 def read_training_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a video ingest output or of a video features output; `VitpipeError` (one line) otherwise."""
     from pipelines.data import read_manifest
-    from pipelines.video_data import read_video_manifest
-    from pipelines.video_features import read_features_manifest
+    from pipelines.video_data import check_classes, check_video_manifest
 
-    if is_features(read_manifest(uri, endpoint_url=endpoint_url)):
-        manifest = read_features_manifest(uri, endpoint_url=endpoint_url)
-        if not manifest.get("classes"):
-            raise VitpipeError(f"{uri}: the manifest lists no classes")
-        return manifest
-    return read_video_manifest(uri, endpoint_url=endpoint_url)
+    manifest = read_manifest(uri, endpoint_url=endpoint_url)
+    return check_classes(uri, manifest) if is_features(manifest) else check_video_manifest(uri, manifest)
 
 
 def features_train_config(config: Any, manifest: dict[str, Any]) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pipelines import shards, video_shards
-from pipelines.data import PATCH_MEAN, PATCH_STD, key_seed, seeded_passes
+from pipelines.data import PATCH_MEAN, PATCH_STD, key_seed, read_manifest, seeded_passes
 from pipelines.errors import VitpipeError
 from pipelines.storage import Store, open_store
 
@@ -53,7 +53,18 @@ __all__ = [
 
 def read_video_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video ingest output (`pipelines.video_shards`); `VitpipeError` otherwise."""
-    manifest = video_shards.read_manifest(uri, endpoint_url=endpoint_url)
+    return check_video_manifest(uri, read_manifest(uri, endpoint_url=endpoint_url))
+
+
+def check_video_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest`, read from `uri`, if it is a video ingest output's and lists classes; `VitpipeError` otherwise."""
+    if manifest.get("format") != VIDEO_FORMAT:
+        raise VitpipeError(f"{uri}: not a video dataset (format {manifest.get('format')!r}, expected {VIDEO_FORMAT!r})")
+    return check_classes(uri, manifest)
+
+
+def check_classes(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest`, read from `uri`, if it lists classes; `VitpipeError` otherwise."""
     if not manifest.get("classes"):
         raise VitpipeError(f"{uri}: the manifest lists no classes")
     return manifest
@@ -237,21 +248,24 @@ def _clip_batch(table: Any, *, spec: ClipSpec, seed: int | None = None, epoch: i
     return {"frames": frames, "frame_positions": positions, "label": labels}
 
 
-def clip_dataset(uri: str, split: str, spec: ClipSpec, *, seed: int | None = None, epochs: int = 1,
-                 endpoint_url: str | None = None, batch_size: int = 8) -> Any:
+def clip_dataset(uri: str, split: str, spec: ClipSpec, *, manifest: dict[str, Any] | None = None,
+                 seed: int | None = None, epochs: int = 1, endpoint_url: str | None = None,
+                 batch_size: int = 8) -> Any:
     """A Ray Dataset of clips from one split of a video ingest output.
 
     Training clips (`spec.train`) come from shards in shuffled order with random
     frames and crops: fresh on every pass with `seed=None`; with an integer seed
     the file order of pass `e` and every clip depend only on `(seed, e, video key)`,
-    so a run is reproducible. `epochs` > 1 chains that many passes.
+    so a run is reproducible. `epochs` > 1 chains that many passes. `manifest`:
+    the output's, when the caller has read it already (read here otherwise).
     """
     if split not in shards.SPLITS:
         raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = read_video_manifest(uri, endpoint_url=endpoint_url)
+    if manifest is None:
+        manifest = read_video_manifest(uri, endpoint_url=endpoint_url)
     filesystem, _ = store.arrow()
     paths = [store.arrow(k)[1] for k in shard_keys(store, manifest, split)]
     return seeded_passes(paths, filesystem, split=split, columns=COLUMNS, shuffle=spec.train, seed=seed, epochs=epochs,

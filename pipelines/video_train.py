@@ -292,7 +292,7 @@ def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int,
     def dataset(split: str, spec: ClipSpec, **kw: Any) -> Any:
         if is_features(manifest):
             return feature_clip_dataset(config.data, manifest, split, spec, endpoint_url=config.endpoint_url, **kw)
-        return clip_dataset(config.data, split, spec, endpoint_url=config.endpoint_url, **kw)
+        return clip_dataset(config.data, split, spec, manifest=manifest, endpoint_url=config.endpoint_url, **kw)
 
     common = dict(frames=config.train_frames, size=size, sampling=config.train_sampling, stride=config.clip_stride,
                   stored_clip_length=stored_clip_length(manifest))

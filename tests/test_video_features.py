@@ -269,6 +269,20 @@ def test_data_that_is_not_a_video_ingest_output_is_a_one_line_error_naming_its_u
     assert str(tmp_path / "data") in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("manifest, words", [
+    ({"format": "vitpipe-patches/1", "classes": ["a"]}, "not a video dataset"),
+    ({"format": FORMAT, "classes": {}}, "the manifest lists no classes"),
+    ({"format": video_shards.FORMAT}, "the manifest lists no classes"),
+])
+def test_training_data_that_is_neither_videos_nor_features_with_classes_is_a_one_line_error(tmp_path, manifest,
+                                                                                         words):
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "_SUCCESS").write_text("{}")
+    with pytest.raises(VitpipeError) as err:
+        read_training_manifest(str(tmp_path))
+    assert str(err.value).startswith(f"{tmp_path}: {words}") and "\n" not in str(err.value)
+
+
 def test_training_on_features_with_a_different_backbone_or_flips_is_refused_in_one_line(extracted, backbone_run,
                                                                                        tmp_path):
     _, result = extracted

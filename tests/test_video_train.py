@@ -230,6 +230,7 @@ def test_seeded_training_clips_repeat_exactly_and_differ_by_pass_and_seed(ray_cl
     second = sorted(set(both) - set(first))
     assert len(both) == 2 * len(first) and len(second) == len(first)  # a second pass draws clips of its own
     assert seeded_clips(data, seed=4) != first
+    assert seeded_clips(data, seed=3, manifest=read_video_manifest(data)) == first  # the caller's manifest, not re-read
 
 
 def test_data_that_is_not_a_video_ingest_output_is_refused(tmp_path):
