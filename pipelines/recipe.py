@@ -6,9 +6,12 @@ defaults follow its own paper (the ViT pretraining recipe, the VTN recipe).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from pipelines.train_step import LoopSettings
 
 
 class TrainRecipe(BaseModel):
@@ -82,3 +85,25 @@ class TrainRecipe(BaseModel):
         if not train_rows:
             return 1
         return max(1, -(-self.steps * self.global_batch // train_rows))
+
+    def loop_settings(self, *, has_val: bool, run_id: str | None, tracking_uri: str | None,
+                      train_rows: int | None = None, **specific: Any) -> LoopSettings:
+        """What every worker receives: this recipe's fields plus the stage's own (`specific`: model, modality, ...).
+
+        No credentials go in: Ray exports the settings to its state API.
+        """
+        from pipelines.train_step import LoopSettings  # imports torch: configs load and validate without it
+
+        threads = self.torch_threads
+        if threads is None and not self.use_gpu:  # the CPUs the worker reserved, not every core of its node
+            threads = max(1, int((self.resources_per_worker or {}).get("CPU", 1)))
+        return LoopSettings(
+            steps=self.steps, warmup_steps=self.warmup_steps, schedule=self.schedule, lr=self.lr, min_lr=self.min_lr,
+            weight_decay=self.weight_decay, betas=self.betas, clip_grad_norm=self.clip_grad_norm,
+            label_smoothing=self.label_smoothing, precision=self.precision,
+            batch_size_per_worker=self.batch_size_per_worker, grad_accum_steps=self.grad_accum_steps,
+            eval_interval=self.eval_interval, checkpoint_interval=self.checkpoint_interval,
+            log_interval=self.log_interval, shuffle_buffer=self.shuffle_buffer, torch_threads=threads, seed=self.seed,
+            train_rows=train_rows, val_dataset="val" if has_val else None, mlflow_run_id=run_id,
+            tracking_uri=tracking_uri, **specific,
+        )

@@ -257,21 +257,9 @@ def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_i
                   tracking_uri: str | None, train_rows: int | None = None, modality: str = "video") -> Any:
     """What every worker receives: the image loop's settings in video (or features) modality, starting from the
     staged VTN."""
-    from pipelines.train_step import LoopSettings
-
-    threads = config.torch_threads
-    if threads is None and not config.use_gpu:
-        threads = max(1, int((config.resources_per_worker or {}).get("CPU", 1)))
-    return LoopSettings(
-        model_name="vtn", init_checkpoint=init_path, modality=modality, steps=config.steps,
-        warmup_steps=config.warmup_steps, schedule=config.schedule, lr=config.lr, min_lr=config.min_lr,
-        weight_decay=config.weight_decay, betas=config.betas, optimizer=config.optimizer, momentum=config.momentum,
-        clip_grad_norm=config.clip_grad_norm, label_smoothing=config.label_smoothing, precision=config.precision,
-        batch_size_per_worker=config.batch_size_per_worker, grad_accum_steps=config.grad_accum_steps,
-        eval_interval=config.eval_interval, checkpoint_interval=config.checkpoint_interval,
-        log_interval=config.log_interval, shuffle_buffer=config.shuffle_buffer, torch_threads=threads,
-        seed=config.seed, train_rows=train_rows, val_dataset="val" if has_val else None, mlflow_run_id=run_id,
-        tracking_uri=tracking_uri,
+    return config.loop_settings(
+        has_val=has_val, run_id=run_id, tracking_uri=tracking_uri, train_rows=train_rows, model_name="vtn",
+        init_checkpoint=init_path, modality=modality, optimizer=config.optimizer, momentum=config.momentum,
     )
 
 

@@ -108,6 +108,21 @@ def test_worker_settings_carry_no_endpoint_or_credentials():
     assert settings.torch_threads == 1  # one CPU per worker by default
 
 
+def test_worker_settings_take_every_shared_recipe_field_and_the_stages_own():
+    c = config(warmup_steps=3, schedule="cosine", lr=0.5, min_lr=0.1, weight_decay=0.2, betas=(0.8, 0.9),
+               clip_grad_norm=2.0, label_smoothing=0.1, precision="fp32", num_workers=2, batch_size_per_worker=4,
+               global_batch_size=16, eval_interval=7, checkpoint_interval=9, log_interval=3, shuffle_buffer=5,
+               torch_threads=2, seed=11, eval_batch_size=6)
+    settings = loop_settings(c, model_overrides(c, MANIFEST), has_val=False, run_id=None, tracking_uri=None,
+                             train_rows=40)
+    shared = ("steps", "warmup_steps", "schedule", "lr", "min_lr", "weight_decay", "betas", "clip_grad_norm",
+              "label_smoothing", "precision", "batch_size_per_worker", "grad_accum_steps", "eval_interval",
+              "checkpoint_interval", "log_interval", "shuffle_buffer", "torch_threads", "seed", "eval_batch_size")
+    assert {name: getattr(settings, name) for name in shared} == {name: getattr(c, name) for name in shared}
+    assert settings.grad_accum_steps == 2
+    assert (settings.model_name, settings.train_rows, settings.val_dataset) == ("ViT-Ti/16", 40, None)
+
+
 def test_stage_refuses_a_model_that_cannot_read_the_data_before_starting_anything(tmp_path):
     data = tmp_path / "ingested"
     data.mkdir()
