@@ -29,31 +29,27 @@ from pipelines.video_eval import frame_views
 from pipelines.video_train import build_initial_model
 from pipelines.video_train import load_config as load_train_config
 from pipelines.video_train import run_video_train
-from tests.video_fixtures import CLASSES, pretrain_position_backbone, write_video_shards
-
-TEMPORAL = dict(depth=2, num_heads=2, window=8, head_dropout=0.0, attn_dropout=0.0)
-FRAMES = 8
+from tests.video_fixtures import (
+    CLASSES,
+    FRAMES,
+    logged_backbone_run,
+    order_matters_videos,
+    pretrain_position_backbone,
+    vtn_train_fields,
+)
 
 
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory) -> str:
     """48 videos of 8 stored 32×32 frames in 3 shards, two classes that differ only in frame order."""
-    return write_video_shards(tmp_path_factory.mktemp("features-data") / "videos", videos=48, frames=(FRAMES, FRAMES))
+    return order_matters_videos(tmp_path_factory.mktemp("features-data") / "videos")
 
 
 @pytest.fixture(scope="module")
 def backbone_run(tmp_path_factory) -> dict[str, str]:
     """The pretrained tiny ViT as an image pretrain run leaves it: `runs:/<id>/checkpoints/final`."""
     tmp = tmp_path_factory.mktemp("features-backbone")
-    checkpoint = pretrain_position_backbone(tmp / "checkpoint", steps=100)  # enough to locate the square
-    uri = f"sqlite:///{tmp}/mlflow.db"
-    client = MlflowClient(uri)
-    experiment = tracking.get_or_create_experiment(client, "features-tests")
-    run_id = client.create_run(experiment, tags={tracking.TAG_STAGE: "pretrain"}).info.run_id
-    tracking.log_checkpoint_dir(client, run_id, checkpoint, "checkpoints/final")
-    client.set_terminated(run_id)
-    return {"run_id": run_id, "tracking_uri": uri, "checkpoint": checkpoint, "tmp": str(tmp),
-            "init": f"runs:/{run_id}/checkpoints/final"}
+    return logged_backbone_run(tmp, "features-tests", steps=100)  # enough to locate the square
 
 
 def features_config(data: str, output: str, backbone_run: dict[str, str], **overrides):
@@ -71,13 +67,7 @@ def extracted(ray_cluster, video_data, backbone_run):
 
 
 def train_config(data: str, backbone_run: dict[str, str], **overrides):
-    fields = dict(
-        data=data, init=backbone_run["init"], vtn=TEMPORAL, train_frames=FRAMES, clips_per_video=16,
-        optimizer="adamw", lr=5e-3, warmup_steps=10, steps=100, num_workers=2, temporal_pos_embed="fixed",
-        batch_size_per_worker=8, log_interval=5, checkpoint_interval=0, precision="fp32",
-        storage=f"{backbone_run['tmp']}/runs", tracking_uri=backbone_run["tracking_uri"], experiment="features-tests",
-    )
-    return load_train_config({**fields, **overrides})
+    return load_train_config({**vtn_train_fields(data, backbone_run, "features-tests"), **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -23,44 +23,32 @@ from pipelines import tracking
 from pipelines.video_data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
 from pipelines.video_eval import ATTENTION_FIGURE, ATTENTION_VALUES, EVAL_TABLE
 from pipelines.video_train import build_initial_model, load_config, main, run_video_train
-from tests.video_fixtures import pretrain_position_backbone, write_video_shards
-
-TEMPORAL = dict(depth=2, num_heads=2, window=8, head_dropout=0.0, attn_dropout=0.0)
-FRAMES = 8  # frames per training clip (and stored per video here, so each frame keeps its position)
+from tests.video_fixtures import (
+    FRAMES,
+    TEMPORAL,
+    logged_backbone_run,
+    order_matters_videos,
+    vtn_train_fields,
+    write_video_shards,
+)
 
 
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory) -> str:
     """48 videos of 8 stored 32×32 frames, two classes that differ only in frame order; 60/20/20 split."""
-    return write_video_shards(tmp_path_factory.mktemp("video-data") / "out", videos=48, frames=(FRAMES, FRAMES))
+    return order_matters_videos(tmp_path_factory.mktemp("video-data") / "out")
 
 
 @pytest.fixture(scope="module")
 def backbone_run(tmp_path_factory) -> dict[str, str]:
     """A pretrained tiny ViT as an image pretrain run leaves it: `runs:/<id>/checkpoints/final`."""
-    tmp = tmp_path_factory.mktemp("video-backbone")
-    checkpoint = pretrain_position_backbone(tmp / "checkpoint")
-    uri = f"sqlite:///{tmp}/mlflow.db"
-    client = MlflowClient(uri)
-    experiment = tracking.get_or_create_experiment(client, "video-tests")
-    run_id = client.create_run(experiment, tags={tracking.TAG_STAGE: "pretrain"}).info.run_id
-    tracking.log_checkpoint_dir(client, run_id, checkpoint, "checkpoints/final")
-    client.set_terminated(run_id)
-    return {"run_id": run_id, "tracking_uri": uri, "checkpoint": checkpoint, "tmp": str(tmp)}
+    return logged_backbone_run(tmp_path_factory.mktemp("video-backbone"), "video-tests")
 
 
 def stage_config(data: str, backbone_run: dict[str, str], **overrides):
     fields = dict(
-        data=data, init=f"runs:/{backbone_run['run_id']}/checkpoints/final", freeze_backbone=True, vtn=TEMPORAL,
-        # A short warm-up: AdamW's first steps move every weight by ~lr, which at 1e-2 with no warm-up
-        # sometimes kicks this tiny model onto a plateau (or a loss spike) instead of down.
-        train_frames=FRAMES, clips_per_video=16, optimizer="adamw", lr=5e-3, warmup_steps=10, steps=100, num_workers=2,
-        # Sine-cosine positions: from a tiny VTN's small initial logits, the learned table (the default)
-        # leaves a plateau of 50-200 steps before the loss falls; fixed positions fall within ~40.
-        temporal_pos_embed="fixed",
-        batch_size_per_worker=8, log_interval=5, checkpoint_interval=0, precision="fp32", eval_shuffled=True,
-        attention_videos=3, registry_model="video-tests-vtn", storage=f"{backbone_run['tmp']}/runs",
-        tracking_uri=backbone_run["tracking_uri"], experiment="video-tests",
+        vtn_train_fields(data, backbone_run, "video-tests"), freeze_backbone=True, eval_shuffled=True,
+        attention_videos=3, registry_model="video-tests-vtn",
     )
     fields.update(overrides)
     return load_config(fields)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -19,6 +20,8 @@ import pyarrow.parquet as pq
 from pipelines import video_shards
 
 CLASSES = {"forward": 0, "backward": 1}
+FRAMES = 8  # frames stored per video in the stage tests, and per training clip: each frame keeps its position
+TEMPORAL = dict(depth=2, num_heads=2, window=8, head_dropout=0.0, attn_dropout=0.0)  # a tiny temporal encoder
 
 
 def moving_square(label: int, frames: int, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -120,3 +123,42 @@ def pretrain_position_backbone(directory: str | Path, *, size: int = 32, steps: 
         optimizer.step()
     vit.save_checkpoint(model, directory)
     return str(directory)
+
+
+def order_matters_videos(out: str | Path) -> str:
+    """The stage tests' data: 48 videos of `FRAMES` stored 32×32 frames in 3 shards, 60/20/20 split."""
+    return write_video_shards(out, videos=48, frames=(FRAMES, FRAMES))
+
+
+def logged_backbone_run(tmp: str | Path, experiment: str, *, steps: int = 200) -> dict[str, str]:
+    """The pretrained tiny ViT logged as an image pretrain run leaves it, `checkpoints/final` of an MLflow run in
+    `<tmp>/mlflow.db`: `run_id`, `tracking_uri`, `checkpoint` (the local copy), `tmp` and `init` (its runs:/ URI)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines import tracking
+
+    checkpoint = pretrain_position_backbone(Path(tmp) / "checkpoint", steps=steps)
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(tracking.get_or_create_experiment(client, experiment),
+                               tags={tracking.TAG_STAGE: "pretrain"}).info.run_id
+    tracking.log_checkpoint_dir(client, run_id, checkpoint, "checkpoints/final")
+    client.set_terminated(run_id)
+    return {"run_id": run_id, "tracking_uri": uri, "checkpoint": checkpoint, "tmp": str(tmp),
+            "init": f"runs:/{run_id}/checkpoints/final"}
+
+
+def vtn_train_fields(data: str, backbone_run: dict[str, str], experiment: str) -> dict[str, Any]:
+    """The video_train fields the stage tests share: 100 steps of a tiny VTN on 2 workers, starting from
+    `backbone_run`, recorded under its tmp dir and tracking store."""
+    return dict(
+        data=data, init=backbone_run["init"], vtn=TEMPORAL,
+        # A short warm-up: AdamW's first steps move every weight by ~lr, which at 1e-2 with no warm-up
+        # sometimes kicks this tiny model onto a plateau (or a loss spike) instead of down.
+        train_frames=FRAMES, clips_per_video=16, optimizer="adamw", lr=5e-3, warmup_steps=10, steps=100, num_workers=2,
+        # Sine-cosine positions: from a tiny VTN's small initial logits, the learned table (the default)
+        # leaves a plateau of 50-200 steps before the loss falls; fixed positions fall within ~40.
+        temporal_pos_embed="fixed",
+        batch_size_per_worker=8, log_interval=5, checkpoint_interval=0, precision="fp32",
+        storage=f"{backbone_run['tmp']}/runs", tracking_uri=backbone_run["tracking_uri"], experiment=experiment,
+    )
