@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import blake3
 import numpy as np
 import pyarrow as pa
 
@@ -77,11 +78,15 @@ def build_table(
 
 
 def rows_hash(keys: Sequence[str], labels: Sequence[int], splits: Sequence[str], pixels: memoryview | bytes) -> str:
-    """sha256 over a shard's rows: keys, labels and splits, then all patch bytes in row order."""
-    h = hashlib.sha256()
+    """BLAKE3 over a shard's rows: keys, labels and splits, then all patch bytes in row order.
+
+    BLAKE3 rather than sha256: as strong, and 4-5x faster over 150 KB of patches per image,
+    where sha256 cost a sixteenth of an image's decode time.
+    """
+    h = blake3.blake3()
     h.update(json.dumps([list(keys), [int(x) for x in labels], list(splits)]).encode())
     h.update(pixels)
-    return h.hexdigest()
+    return "blake3:" + h.hexdigest()
 
 
 def table_hash(table: pa.Table) -> str:
