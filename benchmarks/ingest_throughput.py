@@ -4,7 +4,7 @@
     python benchmarks/ingest_throughput.py --images 300 --json    # a quick check
 
 Measured in one run, on one corpus of JPEGs in class folders, in `--rounds` alternating
-rounds (decode, loop, stage, decode, loop, stage, ...) after a warm-up; medians are reported:
+rounds (decode, loop, stage, pool, decode, loop, ...) after a warm-up; medians are reported:
 
 * `decode_resize_per_core`: PIL decode + resize + centre crop only (bytes already in
   memory, `pipelines.images.decode_image`), one process: the per-core ceiling.
@@ -13,12 +13,21 @@ rounds (decode, loop, stage, decode, loop, stage, ...) after a warm-up; medians 
 * `stage`: `run_ingest` on a local Ray cluster of `--cpus` CPUs, after a small warm-up
   run that starts the worker processes. Wall time of the whole stage: listing,
   planning, decoding, Parquet writes, manifest.
+* `process_pool`: the stage's own per-shard function (`pipelines.ingest.process_shard`)
+  mapped over the same shard plans by a plain `ProcessPoolExecutor` of `--cpus` warm
+  processes, no Ray: what the stage would reach with no orchestration cost at all.
+  `stage_vs_process_pool` is Ray Data's share; the gap between `process_pool` and
+  `--cpus` x `decode_resize_per_core` is the shard work beyond decoding (patchify, hash,
+  Parquet write) and two processes sharing one machine.
 * the same loop and stage reading from a local S3 server (moto, over HTTP), writing
   to local disk. That server shares the same CPUs, so these figures are reported as
   they are.
 
 Targets on 2 cores, local folder: `ratio` = stage / loop >= 1.6, and
 `per_core_vs_decode` = (stage / cpus) / decode_resize_per_core >= 0.8.
+
+Every timed measurement starts after `os.sync()`, so none pays for writing back the
+pages that the one before it left dirty.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -43,9 +53,10 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines import shards  # noqa: E402
+from pipelines import ingest_plan, shards  # noqa: E402
 from pipelines.images import decode_image, patchify  # noqa: E402
-from pipelines.ingest import IngestConfig, run_ingest  # noqa: E402
+from pipelines.ingest import IngestConfig, process_shard, run_ingest  # noqa: E402
+from pipelines.storage import S3Settings, open_store  # noqa: E402
 
 CLASSES = 10
 
@@ -88,6 +99,7 @@ def decode_rate(root: Path, keys: list[str], size: int, limit: int = 1000) -> fl
     """Images/s of decode + resize alone, in this process, bytes in memory."""
     blobs = [(root / k).read_bytes() for k in keys[:limit]]
     decode_image(blobs[0], size, max_pixels=10**9)  # warm caches
+    os.sync()
     start = time.perf_counter()
     for data in blobs:
         decode_image(data, size, max_pixels=10**9)
@@ -100,6 +112,7 @@ def plain_loop(read, keys: list[str], out: Path, config: IngestConfig) -> float:
     n_patches, dim = (size // p) ** 2, p * p * 3
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    os.sync()
     start = time.perf_counter()
     with pq.ParquetWriter(out / "all.parquet", shards.SCHEMA, compression=config.compression, **shards.WRITE_OPTIONS) as writer:
         for lo in range(0, len(keys), config.shard_size):
@@ -113,8 +126,30 @@ def plain_loop(read, keys: list[str], out: Path, config: IngestConfig) -> float:
     return len(keys) / (time.perf_counter() - start)
 
 
+def _shard(plan: dict, config: IngestConfig, fingerprint: str) -> int:
+    settings = S3Settings.resolve(None)
+    return process_shard(plan, config, open_store(config.source, settings), open_store(config.output, settings),
+                         fingerprint)["rows"]
+
+
+def process_pool(pool: ProcessPoolExecutor, config: IngestConfig, n: int) -> float:
+    """Images/s of the stage's shard function over the stage's plans on a plain process pool."""
+    shutil.rmtree(config.output, ignore_errors=True)
+    os.sync()
+    start = time.perf_counter()
+    plans = list(ingest_plan.cut_shards(ingest_plan.folder_items(open_store(config.source, S3Settings.resolve(None))),
+                                        config.shard_size, config.mix_window, config.seed))
+    for index, plan in enumerate(plans):
+        plan["index"] = index
+    rows = sum(pool.map(_shard, plans, [config] * len(plans), ["bench"] * len(plans)))
+    seconds = time.perf_counter() - start
+    assert rows == n, rows
+    return n / seconds
+
+
 def stage(config: IngestConfig, n: int) -> float:
     shutil.rmtree(config.output, ignore_errors=True)
+    os.sync()
     start = time.perf_counter()
     result = run_ingest(config)
     seconds = time.perf_counter() - start
@@ -148,7 +183,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=256)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "vitpipe-bench")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode, loop and stage (medians)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode, loop, stage and process pool (medians)")
     parser.add_argument("--s3-rounds", type=int, default=1, help="alternating rounds of the S3 loop and stage")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -179,17 +214,24 @@ def main() -> None:
     stage(IngestConfig(source=str(warm), output=str(args.workdir / "warm-out"), **warm_common), 32)
 
     # Alternate the three measurements round by round, so a drifting machine favours none of them.
-    rates: dict[str, list[float]] = {"decode_resize_per_core": [], "loop": [], "stage": []}
-    for _ in range(args.rounds):
-        rates["decode_resize_per_core"].append(decode_rate(root, keys, args.image_size))
-        rates["loop"].append(plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config))
-        rates["stage"].append(stage(local_config, len(keys)))
+    rates: dict[str, list[float]] = {"decode_resize_per_core": [], "loop": [], "stage": [], "process_pool": []}
+    pool_config = local_config.model_copy(update={"output": str(args.workdir / "pool-out")})
+    # spawn: forking a process that runs Ray's threads is unsafe
+    with ProcessPoolExecutor(args.cpus, mp_context=multiprocessing.get_context("spawn")) as pool:
+        process_pool(pool, pool_config.model_copy(update={"source": str(warm)}), 32)  # start and warm the processes
+        for _ in range(args.rounds):
+            rates["decode_resize_per_core"].append(decode_rate(root, keys, args.image_size))
+            rates["loop"].append(plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config))
+            rates["stage"].append(stage(local_config, len(keys)))
+            rates["process_pool"].append(process_pool(pool, pool_config, len(keys)))
     for name, values in rates.items():
         report[name] = statistics.median(values)
         report[f"{name}_rounds"] = [round(v, 1) for v in values]
     report["stage_per_core"] = report["stage"] / args.cpus
     report["ratio"] = report["stage"] / report["loop"]
     report["per_core_vs_decode"] = report["stage_per_core"] / report["decode_resize_per_core"]
+    report["stage_vs_process_pool"] = report["stage"] / report["process_pool"]
+    report["process_pool_per_core_vs_decode"] = report["process_pool"] / args.cpus / report["decode_resize_per_core"]
 
     if not args.skip_s3:
         proc, url = start_s3_server()
