@@ -4,7 +4,7 @@
     python benchmarks/ingest_throughput.py --images 300 --json    # a quick check
 
 Measured in one run, on one corpus of JPEGs in class folders, in `--rounds` alternating
-rounds (decode, loop, stage, pool, decode, loop, ...) after a warm-up; medians are reported:
+rounds (decode, loop, stage, Ray tasks, pool, decode, ...) after a warm-up; medians are reported:
 
 * `decode_resize_per_core`: PIL decode + resize + centre crop only (bytes already in
   memory, `pipelines.images.decode_image`), one process: the per-core ceiling.
@@ -13,12 +13,14 @@ rounds (decode, loop, stage, pool, decode, loop, ...) after a warm-up; medians a
 * `stage`: `run_ingest` on a local Ray cluster of `--cpus` CPUs, after a small warm-up
   run that starts the worker processes. Wall time of the whole stage: listing,
   planning, decoding, Parquet writes, manifest.
-* `process_pool`: the stage's own per-shard function (`pipelines.ingest.process_shard`)
-  mapped over the same shard plans by a plain `ProcessPoolExecutor` of `--cpus` warm
-  processes, no Ray: what the stage would reach with no orchestration cost at all.
-  `stage_vs_process_pool` is Ray Data's share; the gap between `process_pool` and
-  `--cpus` x `decode_resize_per_core` is the shard work beyond decoding (patchify, hash,
-  Parquet write) and two processes sharing one machine.
+* `ray_tasks`: the stage's own per-shard function (`pipelines.ingest.process_shard`) over
+  the same shard plans as plain Ray tasks of one CPU, all submitted at once: Ray without
+  Ray Data.
+* `process_pool`: the same over a plain `ProcessPoolExecutor` of `--cpus` warm processes,
+  no Ray: what the stage would reach with no orchestration cost at all.
+  `stage_vs_ray_tasks` is Ray Data's share, `ray_tasks_vs_process_pool` Ray's; the gap
+  between `process_pool` and `--cpus` x `decode_resize_per_core` is the shard work beyond
+  decoding (patchify, hash, Parquet write) and two processes sharing one machine.
 * the same loop and stage reading from a local S3 server (moto, over HTTP), writing
   to local disk. That server shares the same CPUs, so these figures are reported as
   they are.
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -132,8 +135,8 @@ def _shard(plan: dict, config: IngestConfig, fingerprint: str) -> int:
                          fingerprint)["rows"]
 
 
-def process_pool(pool: ProcessPoolExecutor, config: IngestConfig, n: int) -> float:
-    """Images/s of the stage's shard function over the stage's plans on a plain process pool."""
+def without_ray_data(run_all: Callable[[list[dict], IngestConfig], Iterable[int]], config: IngestConfig, n: int) -> float:
+    """Images/s of the stage's shard function over the stage's plans, `run_all(plans, config)` running them."""
     shutil.rmtree(config.output, ignore_errors=True)
     os.sync()
     start = time.perf_counter()
@@ -141,7 +144,7 @@ def process_pool(pool: ProcessPoolExecutor, config: IngestConfig, n: int) -> flo
                                         config.shard_size, config.mix_window, config.seed))
     for index, plan in enumerate(plans):
         plan["index"] = index
-    rows = sum(pool.map(_shard, plans, [config] * len(plans), ["bench"] * len(plans)))
+    rows = sum(run_all(plans, config))
     seconds = time.perf_counter() - start
     assert rows == n, rows
     return n / seconds
@@ -183,7 +186,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=256)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "vitpipe-bench")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode, loop, stage and process pool (medians)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode, loop, stage, Ray tasks and process pool (medians)")
     parser.add_argument("--s3-rounds", type=int, default=1, help="alternating rounds of the S3 loop and stage")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -214,22 +217,34 @@ def main() -> None:
     stage(IngestConfig(source=str(warm), output=str(args.workdir / "warm-out"), **warm_common), 32)
 
     # Alternate the three measurements round by round, so a drifting machine favours none of them.
-    rates: dict[str, list[float]] = {"decode_resize_per_core": [], "loop": [], "stage": [], "process_pool": []}
-    pool_config = local_config.model_copy(update={"output": str(args.workdir / "pool-out")})
+    rates: dict[str, list[float]] = {"decode_resize_per_core": [], "loop": [], "stage": [], "ray_tasks": [],
+                                     "process_pool": []}
+    other_config = local_config.model_copy(update={"output": str(args.workdir / "other-out")})
+    ray_shard = ray.remote(num_cpus=1)(_shard)
+
+    def ray_tasks(plans: list[dict], config: IngestConfig) -> list[int]:
+        return ray.get([ray_shard.remote(plan, config, "bench") for plan in plans])
+
     # spawn: forking a process that runs Ray's threads is unsafe
     with ProcessPoolExecutor(args.cpus, mp_context=multiprocessing.get_context("spawn")) as pool:
-        process_pool(pool, pool_config.model_copy(update={"source": str(warm)}), 32)  # start and warm the processes
+        def process_pool(plans: list[dict], config: IngestConfig) -> Iterable[int]:
+            return pool.map(_shard, plans, [config] * len(plans), ["bench"] * len(plans))
+
+        without_ray_data(process_pool, other_config.model_copy(update={"source": str(warm)}), 32)  # start the processes
         for _ in range(args.rounds):
             rates["decode_resize_per_core"].append(decode_rate(root, keys, args.image_size))
             rates["loop"].append(plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config))
             rates["stage"].append(stage(local_config, len(keys)))
-            rates["process_pool"].append(process_pool(pool, pool_config, len(keys)))
+            rates["ray_tasks"].append(without_ray_data(ray_tasks, other_config, len(keys)))
+            rates["process_pool"].append(without_ray_data(process_pool, other_config, len(keys)))
     for name, values in rates.items():
         report[name] = statistics.median(values)
         report[f"{name}_rounds"] = [round(v, 1) for v in values]
     report["stage_per_core"] = report["stage"] / args.cpus
     report["ratio"] = report["stage"] / report["loop"]
     report["per_core_vs_decode"] = report["stage_per_core"] / report["decode_resize_per_core"]
+    report["stage_vs_ray_tasks"] = report["stage"] / report["ray_tasks"]
+    report["ray_tasks_vs_process_pool"] = report["ray_tasks"] / report["process_pool"]
     report["stage_vs_process_pool"] = report["stage"] / report["process_pool"]
     report["process_pool_per_core_vs_decode"] = report["process_pool"] / args.cpus / report["decode_resize_per_core"]
 
