@@ -231,9 +231,9 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 def profile(setup: Setup, dtype: torch.dtype, steps: int, rows: int = 20) -> None:
     """Print where a step's time goes, per op, for both models side by side.
 
-    The models take turns, one profiler session per step; each op's time is its
-    median self time per call times its calls per step, so a spell of load from
-    elsewhere during one step does not land on one op. Profiler times are
+    The models take turns, one profiler session per step; each op's time is, per
+    input shape, its median self time per call times its calls per step, summed over
+    shapes, so a spell of load from elsewhere during one step does not land on one op. Profiler times are
     elapsed time: on a busy machine read the split, not the totals.
     """
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -244,16 +244,20 @@ def profile(setup: Setup, dtype: torch.dtype, steps: int, rows: int = 20) -> Non
     }
     for step in runs.values():
         step()
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+    # Keyed by op and input shapes: one op's calls differ by shape (a fused qkv against three
+    # projections), and a median over mixed shapes times the call count misstates the op's total.
+    samples: dict[str, dict[tuple[str, str], list[float]]] = {name: {} for name in runs}
     for i in range(steps):
         for name in runs if i % 2 == 0 else reversed(list(runs)):
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 runs[name]()
             for event in prof.events():
-                samples[name].setdefault(event.name, []).append(event.self_cpu_time_total / 1e3)
-    per_step = {
-        name: {op: statistics.median(v) * len(v) / steps for op, v in ops.items()} for name, ops in samples.items()
-    }
+                key = (event.name, str(event.input_shapes))
+                samples[name].setdefault(key, []).append(event.self_cpu_time_total / 1e3)
+    per_step: dict[str, dict[str, float]] = {name: {} for name in runs}
+    for name, calls in samples.items():
+        for (op, _), v in calls.items():
+            per_step[name][op] = per_step[name].get(op, 0.0) + statistics.median(v) * len(v) / steps
     totals = {name: sum(ops.values()) for name, ops in per_step.items()}
     ops = sorted(set(per_step["ours"]) | set(per_step["reference"]),
                  key=lambda op: -max(per_step["ours"].get(op, 0.0), per_step["reference"].get(op, 0.0)))
