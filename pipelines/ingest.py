@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -151,8 +150,8 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
     out = open_store(config.output, settings)
     fingerprint = shards.fingerprint({"format": kind.format, **config.identity()})
 
-    _check_output(out)
-    done = None if force else _finished_manifest(out, fingerprint)
+    shards.check_output(out)
+    done = None if force else shards.finished_manifest(out, fingerprint)
     if done is not None:
         log.info("%s: %s is complete for this config; nothing to do", kind.name, config.output)
         return IngestResult(config.output, done, done["counts"], 0, 0, True, time.perf_counter() - start)
@@ -160,10 +159,10 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
     _check_source(source, manifest_store)
     out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
     if force:
-        _remove_stale_shards(out, keep=set())
+        shards.remove_stale_shards(out, keep=set())
 
     summaries = _run_pipeline(config, source, manifest_store, out, fingerprint, kind.process)
-    _remove_stale_shards(out, {s["key"] for s in summaries})
+    shards.remove_stale_shards(out, {s["key"] for s in summaries})
     manifest = kind.assemble(config, settings, fingerprint, summaries)
     out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
@@ -187,28 +186,6 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
 
 
 # ---------------------------------------------------------------- driver-side checks
-
-
-def _check_output(out: Store) -> None:
-    if parse_uri(out.uri).scheme == "file":
-        try:
-            os.makedirs(out.uri, exist_ok=True)
-        except OSError as exc:
-            raise out.error(exc) from None
-    else:
-        out.check()
-
-
-def _finished_manifest(out: Store, fingerprint: str) -> dict[str, Any] | None:
-    if not out.exists(shards.SUCCESS):
-        return None
-    try:
-        marker = json.loads(out.read(shards.SUCCESS))
-        if marker.get("fingerprint") != fingerprint:
-            return None
-        return json.loads(out.read(shards.MANIFEST))
-    except (ValueError, StorageError):
-        return None  # a damaged marker or manifest: run again
 
 
 def _check_source(source: Store, manifest: Store | None) -> None:
@@ -308,7 +285,7 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     """Decode and write one planned shard (or reuse it when already written for this plan); returns its summary."""
     key = shards.shard_key(plan["index"])
     plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
-    existing = existing_summary(out, key, plan_fingerprint)
+    existing = shards.existing_summary(out, key, plan_fingerprint)
     if existing is not None:
         return existing
 
@@ -347,15 +324,6 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     }
     shards.write_shard(out, key, table, summary, config.compression)
     return summary
-
-
-def existing_summary(out: Store, key: str, plan_fingerprint: str) -> dict[str, Any] | None:
-    """The summary of shard `key` when it was already written for this plan (then it is reused)."""
-    fs, path = out.arrow(key)
-    existing = shards.read_summary(fs, path)
-    if existing is not None and existing.get("plan_fingerprint") == plan_fingerprint:
-        return {**existing, "reused": True}
-    return None
 
 
 def fetch_planned(
@@ -414,14 +382,6 @@ def fetch(source: Store, key: str) -> bytes | StorageError:
 
 
 # ---------------------------------------------------------------- finishing
-
-
-def _remove_stale_shards(out: Store, keep: set[str]) -> None:
-    """Delete shards of an earlier, different run and temporary files of interrupted writes."""
-    for page in out.list_pages(shards.SHARD_DIR, hidden=True):
-        for key in page:
-            if key not in keep:
-                out.delete(key)
 
 
 def _split_source(fixed: int, rows: int) -> str:

@@ -8,19 +8,25 @@ Layout under the output URI::
 
 `patches` holds `N * P * P * 3` uint8 bytes in `vit.patches` order. Each shard's
 Parquet footer carries its own summary (counts, rejects, hash, fingerprint), so
-a resumed run can reuse a shard without reading its rows.
+a resumed run can reuse a shard without reading its rows. Every sharded stage
+(image and video ingest, video features) keeps its output's life cycle with the
+helpers at the end: skip a finished output, reuse finished shards, drop stale ones.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import blake3
 import numpy as np
 import pyarrow as pa
+
+from pipelines.errors import StorageError
+from pipelines.storage import Store, parse_uri
 
 FORMAT = "vitpipe-patches/1"
 SHARD_DIR = "shards"
@@ -147,3 +153,47 @@ def content_hash(image_size: int, patch_size: int, classes: Mapping[str, int], s
         "shards": list(shard_hashes),
     }
     return "sha256:" + hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- an output's life cycle, shared by every sharded stage
+
+
+def check_output(out: Store) -> None:
+    """Make a local output folder, or check that an object-store output can be reached (one-line `StorageError`)."""
+    if parse_uri(out.uri).scheme == "file":
+        try:
+            os.makedirs(out.uri, exist_ok=True)
+        except OSError as exc:
+            raise out.error(exc) from None
+    else:
+        out.check()
+
+
+def finished_manifest(out: Store, fingerprint: str) -> dict[str, Any] | None:
+    """The manifest of a finished output whose `_SUCCESS` marker holds `fingerprint`, else None."""
+    if not out.exists(SUCCESS):
+        return None
+    try:
+        marker = json.loads(out.read(SUCCESS))
+        if marker.get("fingerprint") != fingerprint:
+            return None
+        return json.loads(out.read(MANIFEST))
+    except (ValueError, StorageError):
+        return None  # a damaged marker or manifest: run again
+
+
+def existing_summary(out: Store, key: str, plan_fingerprint: str) -> dict[str, Any] | None:
+    """The summary of shard `key` when it was already written for this plan (then it is reused)."""
+    fs, path = out.arrow(key)
+    existing = read_summary(fs, path)
+    if existing is not None and existing.get("plan_fingerprint") == plan_fingerprint:
+        return {**existing, "reused": True}
+    return None
+
+
+def remove_stale_shards(out: Store, keep: set[str]) -> None:
+    """Delete shards of an earlier, different run and temporary files of interrupted writes."""
+    for page in out.list_pages(SHARD_DIR, hidden=True):
+        for key in page:
+            if key not in keep:
+                out.delete(key)

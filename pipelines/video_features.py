@@ -258,7 +258,6 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     import torch
 
     from pipelines.errors import VitpipeError
-    from pipelines.ingest import _check_output, _finished_manifest, _remove_stale_shards, existing_summary
     from pipelines.storage import open_store
     from pipelines.train_step import resolve_precision
     from pipelines.video_data import manifest_digest, read_video_manifest, shard_keys
@@ -267,26 +266,26 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     source_manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
     source = open_store(config.data, endpoint_url=config.endpoint_url)
     out = open_store(config.output, endpoint_url=config.endpoint_url)
-    _check_output(out)
+    shards.check_output(out)
     initial, backbone = _load_backbone(config, source_manifest)
     bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None  # resolved here, the same for all actors
     identity = {"format": FORMAT, "data": manifest_digest(source_manifest), "weights": backbone["weights_hash"],
                 "frame_size": initial.frame_size, "precision": "bf16" if bf16 else "fp32",
                 "feature_dtype": config.feature_dtype}
     fingerprint = shards.fingerprint(identity)
-    done = None if force else _finished_manifest(out, fingerprint)
+    done = None if force else shards.finished_manifest(out, fingerprint)
     if done is not None:
         logger.info("%s: %s is complete for this config; nothing to do", STAGE, config.output)
         return VideoFeaturesResult(output=config.output, manifest=done, counts=done["counts"], shards_written=0,
                                    shards_reused=0, skipped=True, seconds=time.perf_counter() - start)
     out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
     if force:
-        _remove_stale_shards(out, keep=set())
+        shards.remove_stale_shards(out, keep=set())
 
     keys = shard_keys(source, source_manifest)
     summaries, todo = {}, []
     for key in keys:
-        reused = existing_summary(out, key, _shard_fingerprint(fingerprint, key))  # finished by an earlier run
+        reused = shards.existing_summary(out, key, _shard_fingerprint(fingerprint, key))  # finished by an earlier run
         if reused is not None:
             summaries[key] = reused
         else:
@@ -296,7 +295,7 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
             ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
         summaries.update(_compute(config, initial, bf16, source, out, todo, fingerprint))
     ordered = [summaries[k] for k in keys]
-    _remove_stale_shards(out, set(keys))
+    shards.remove_stale_shards(out, set(keys))
     manifest = _assemble_manifest(config, source_manifest, initial.frame_size, backbone, identity, fingerprint, ordered)
     listed = (source_manifest.get("counts") or {}).get("videos")
     if listed is not None and listed != manifest["counts"]["videos"]:

@@ -26,7 +26,6 @@ from pipelines.ingest import (
     IngestKind,
     IngestResult,
     ShardedIngestConfig,
-    existing_summary,
     fetch_planned,
     manifest_summary,
     public_config,
@@ -106,7 +105,7 @@ def process_video_shard(
     """Decode and write one planned shard of videos (or reuse it when already written for this plan)."""
     key = shards.shard_key(plan["index"])
     plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
-    existing = existing_summary(out, key, plan_fingerprint)
+    existing = shards.existing_summary(out, key, plan_fingerprint)
     if existing is not None:
         return existing
 
