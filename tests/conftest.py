@@ -109,6 +109,11 @@ def ray_cluster() -> Iterator[RayCluster]:
         dashboard_port=dashboard_port,
         num_cpus=4,
     )
+    # Ray Data binds its log handler to whatever sys.stderr is on its first run; run it once
+    # now, so a CLI test (CliRunner swaps stderr, then closes it) is not where that happens.
+    import ray.data
+
+    ray.data.range(1).take(1)
     try:
         yield RayCluster(address=context.address_info["gcs_address"], dashboard_url=f"http://{context.dashboard_url}")
     finally:

@@ -18,6 +18,7 @@ import vit.patches
 from pipelines import shards
 from pipelines.images import decode_image
 from pipelines.ingest import IngestConfig, run_ingest
+from tests.process_output import result_json
 
 CLASSES = ["ant", "bee", "cow"]
 PER_CLASS = 30
@@ -205,7 +206,7 @@ def test_cli_ingest_runs_the_stage_and_reports_json(ray_cluster, corpus, tmp_pat
     args = ["ingest", str(corpus[0]), str(tmp_path / "cli"), "--image-size", "16", "--patch-size", "4", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = result_json(result.stdout)
     assert report["counts"]["images"] == len(corpus[1]) and not report["skipped"]
     assert Path(tmp_path, "cli", shards.SUCCESS).exists()
 

@@ -25,6 +25,7 @@ from pipelines.errors import IngestError, VitpipeError
 from pipelines.video_corpus import class_specs, make_video, synth_video_corpus
 from pipelines.video_ingest import VideoIngestConfig, run_video_ingest
 from pipelines.videos import clip_indices, full_indices
+from tests.process_output import result_json
 
 SEED, SIZE, FRAMES, CLASSES, VIDEOS = 0, 32, 16, 4, 24
 FRAME_SIZE, MAX_FRAMES = 16, 16
@@ -352,8 +353,10 @@ def test_cli_video_ingest_prints_one_line_and_exits_non_zero_past_the_threshold(
 
     result = CliRunner().invoke(app, ["video-ingest", str(dirty[0]), str(tmp_path / "cli"), "--frame-size", "16"])
     assert result.exit_code == 1
-    assert result.stderr.startswith("error: ") and "objects rejected" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    # Ray Data's progress lines may come first on stderr (for people); the error is the last line, and one line.
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "objects rejected" in last
+    assert "Traceback" not in result.stderr
 
 
 # ---------------------------------------------------------------- CLI, config, S3
@@ -367,7 +370,7 @@ def test_cli_video_ingest_runs_the_stage_and_reports_json(ray_cluster, corpus, t
     args = ["video-ingest", str(corpus[0]), str(tmp_path / "cli"), "--frame-size", "16", "--max-frames", "8", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = result_json(result.stdout)
     assert report["counts"]["videos"] == len(corpus[1]) and not report["skipped"]
     assert Path(tmp_path, "cli", shards.SUCCESS).exists()
 
