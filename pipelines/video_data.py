@@ -58,9 +58,7 @@ def read_video_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[st
 
 def check_video_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """`manifest`, read from `uri`, if it is a video ingest output's and lists classes; `VitpipeError` otherwise."""
-    if manifest.get("format") != VIDEO_FORMAT:
-        raise VitpipeError(f"{uri}: not a video dataset (format {manifest.get('format')!r}, expected {VIDEO_FORMAT!r})")
-    return check_classes(uri, manifest)
+    return check_classes(uri, video_shards.check_manifest(uri, manifest))
 
 
 def check_classes(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:

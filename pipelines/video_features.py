@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipelines import shards, tracking
+from pipelines import shards, tracking, video_shards
 from pipelines.stage_config import load_stage_config, stage_main
 from pipelines.storage import parse_uri
 
@@ -52,16 +52,13 @@ STAGE = "video_features"
 FORMAT = "vitpipe-video-features/1"
 PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
 DTYPES = {"float32": np.float32, "float16": np.float16}
+# A features row stands for one stored video: its per-video columns are the video shard's own.
 SCHEMA = pa.schema(
     [
         pa.field("features", pa.binary(), nullable=False),
         pa.field("num_frames", pa.int32(), nullable=False),
         pa.field("dim", pa.int32(), nullable=False),
-        pa.field("label", pa.int32(), nullable=False),
-        pa.field("key", pa.string(), nullable=False),
-        pa.field("split", pa.string(), nullable=False),
-        pa.field("frame_indices", pa.list_(pa.int32()), nullable=False),
-        pa.field("fps", pa.float32(), nullable=False),
+        *video_shards.VIDEO_FIELDS,
     ]
 )
 COLUMNS = tuple(SCHEMA.names)
@@ -172,11 +169,7 @@ def features_table(features: list[np.ndarray], labels: list[int], keys: list[str
             pa.array([np.ascontiguousarray(f).tobytes() for f in features], pa.binary()),
             pa.array([f.shape[0] for f in features], pa.int32()),
             pa.array([f.shape[1] for f in features], pa.int32()),
-            pa.array(labels, pa.int32()),
-            pa.array(keys, pa.string()),
-            pa.array(splits, pa.string()),
-            pa.array([[int(i) for i in ix] for ix in frame_indices], pa.list_(pa.int32())),
-            pa.array(np.asarray(fps, dtype=np.float32), pa.float32()),
+            *video_shards.video_arrays(labels, keys, splits, frame_indices, fps),
         ],
         schema=SCHEMA,
     )
@@ -231,9 +224,7 @@ class FrameFeatures:
         return feats.float().numpy().astype(self.dtype)
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from pipelines.video_shards import read_video_rows
-
-        rows = list(read_video_rows(table))
+        rows = list(video_shards.read_video_rows(table))
         out = features_table([self.features(r["frames"]) for r in rows], [r["label"] for r in rows],
                              [r["key"] for r in rows], [r["split"] for r in rows],
                              [r["frame_indices"] for r in rows], [r["fps"] for r in rows])
@@ -336,8 +327,6 @@ def _compute(config: VideoFeaturesConfig, initial: Any, bf16: bool, source: Any,
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
     import ray.data
-
-    from pipelines import video_shards
 
     filesystem, _ = source.arrow()
     paths = {key: source.arrow(key)[1] for key in keys}

@@ -49,24 +49,28 @@ import pyarrow as pa
 from pipelines.shards import MANIFEST, SHARD_DIR, SPLITS, SUCCESS, read_summary, shard_key, split_of, write_shard
 
 __all__ = [
-    "COLUMNS", "FORMAT", "MANIFEST", "SCHEMA", "SHARD_DIR", "SPLITS", "SUCCESS", "build_table", "content_hash",
-    "decode_frames", "read_manifest", "read_summary", "read_video_rows", "rows_hash", "shard_key", "split_clips",
-    "split_of", "table_hash", "write_shard",
+    "COLUMNS", "FORMAT", "MANIFEST", "SCHEMA", "SHARD_DIR", "SPLITS", "SUCCESS", "VIDEO_FIELDS", "build_table",
+    "check_manifest", "content_hash", "decode_frames", "read_manifest", "read_summary", "read_video_rows",
+    "rows_hash", "shard_key", "split_clips", "split_of", "table_hash", "video_arrays", "write_shard",
 ]
 
 FORMAT = "vitpipe-video/1"
 
+# What every row says of its video, beside its frames (or, in `pipelines.video_features`, their features).
+VIDEO_FIELDS = [
+    pa.field("label", pa.int32(), nullable=False),
+    pa.field("key", pa.string(), nullable=False),
+    pa.field("split", pa.string(), nullable=False),
+    pa.field("frame_indices", pa.list_(pa.int32()), nullable=False),
+    pa.field("fps", pa.float32(), nullable=False),
+]
 SCHEMA = pa.schema(
     [
         pa.field("frames", pa.binary(), nullable=False),
         pa.field("num_frames", pa.int32(), nullable=False),
         pa.field("height", pa.int32(), nullable=False),
         pa.field("width", pa.int32(), nullable=False),
-        pa.field("label", pa.int32(), nullable=False),
-        pa.field("key", pa.string(), nullable=False),
-        pa.field("split", pa.string(), nullable=False),
-        pa.field("frame_indices", pa.list_(pa.int32()), nullable=False),
-        pa.field("fps", pa.float32(), nullable=False),
+        *VIDEO_FIELDS,
     ]
 )
 COLUMNS = tuple(SCHEMA.names)
@@ -127,14 +131,24 @@ def build_table(
             pa.array(shape[:, 0], pa.int32()),
             pa.array(shape[:, 1], pa.int32()),
             pa.array(shape[:, 2], pa.int32()),
-            pa.array(labels, pa.int32()),
-            pa.array(keys, pa.string()),
-            pa.array(splits, pa.string()),
-            pa.array([list(map(int, ix)) for ix in frame_indices], pa.list_(pa.int32())),
-            pa.array(np.asarray(fps, dtype=np.float32), pa.float32()),
+            *video_arrays(labels, keys, splits, frame_indices, fps),
         ],
         schema=SCHEMA,
     )
+
+
+def video_arrays(
+    labels: Sequence[int], keys: Sequence[str], splits: Sequence[str], frame_indices: Sequence[Sequence[int]],
+    fps: Sequence[float],
+) -> list[pa.Array]:
+    """The `VIDEO_FIELDS` columns of a shard, one value per video."""
+    return [
+        pa.array(labels, pa.int32()),
+        pa.array(keys, pa.string()),
+        pa.array(splits, pa.string()),
+        pa.array([[int(i) for i in ix] for ix in frame_indices], pa.list_(pa.int32())),
+        pa.array(np.asarray(fps, dtype=np.float32), pa.float32()),
+    ]
 
 
 def rows_hash(
@@ -180,9 +194,14 @@ def content_hash(frame_size: int, sampling: Mapping[str, Any], classes: Mapping[
 def read_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video ingest output; raises `VitpipeError` (one line) otherwise."""
     from pipelines.data import read_manifest as read_any
+
+    return check_manifest(uri, read_any(uri, endpoint_url=endpoint_url))
+
+
+def check_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest`, read from `uri`, if it is a video ingest output's; raises `VitpipeError` (one line) otherwise."""
     from pipelines.errors import VitpipeError
 
-    manifest = read_any(uri, endpoint_url=endpoint_url)
     if manifest.get("format") != FORMAT:
         raise VitpipeError(f"{uri}: not a video dataset (format {manifest.get('format')!r}, expected {FORMAT!r})")
     return manifest
