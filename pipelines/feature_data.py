@@ -159,17 +159,6 @@ def iter_feature_videos(uri: str, manifest: dict[str, Any], split: str, *, endpo
             yield FeatureRow(row["key"], int(row["label"]), features, np.asarray(row["frame_indices"], np.int64))
 
 
-def multiview_clip_indices(total: int, clips: int, length: int, stride: int) -> list[np.ndarray]:
-    """The stored-frame indices of `VTN.predict_multiview`'s clips (evenly spaced starts; a short video resampled)."""
-    from vit.vtn import sample_frame_indices
-
-    span = (length - 1) * stride + 1
-    if total < span:
-        return [sample_frame_indices(total, length).numpy()] * clips
-    starts = [(total - span) // 2] if clips == 1 else [round(i * (total - span) / (clips - 1)) for i in range(clips)]
-    return [np.arange(s, s + span, stride) for s in starts]
-
-
 class FeaturePredictor:
     """`video_eval.evaluate_modes`' predictor on stored features: the VTN's two modes without its backbone."""
 
@@ -195,13 +184,13 @@ class FeaturePredictor:
     def __call__(self, mode: str, features: Any) -> Any:
         import torch
 
-        from vit.vtn import sample_frame_indices
+        from vit.vtn import multiview_clip_indices, sample_frame_indices
 
         c, total = self.config, len(features)
         if mode == "full_video":
-            clips = [sample_frame_indices(total, min(total, c.full_video_frames)).numpy()]
+            clips = [sample_frame_indices(total, min(total, c.full_video_frames))]
         else:
             clips = multiview_clip_indices(total, c.multiview_clips, c.train_frames, c.clip_stride)
-        idx = torch.as_tensor(np.stack(clips))
+        idx = torch.stack(clips)
         logits = self.model.forward_features_from_frames(features[idx], frame_indices=idx)
         return logits.float().softmax(dim=-1).mean(dim=0, keepdim=True)

@@ -27,8 +27,8 @@ from vit.longformer import LongformerConfig, LongformerEncoder
 
 TEMPORAL_POS_EMBEDS = ("learned", "sincos", "none")
 
-__all__ = ["TEMPORAL_POS_EMBEDS", "VTN", "VTNConfig", "VTN_PRESETS", "create_vtn", "sample_frame_indices",
-           "sincos_1d"]
+__all__ = ["TEMPORAL_POS_EMBEDS", "VTN", "VTNConfig", "VTN_PRESETS", "create_vtn", "multiview_clip_indices",
+           "sample_frame_indices", "sincos_1d"]
 
 
 @dataclass
@@ -124,6 +124,18 @@ def sample_frame_indices(total: int, count: int) -> torch.Tensor:
         raise ValueError(f"the number of frames to sample must be positive, got {count}")
     # Centres of `count` equal segments of the video, so short videos repeat evenly.
     return ((torch.arange(count, dtype=torch.float64) + 0.5) * total / count).floor().long().clamp_(max=total - 1)
+
+
+def multiview_clip_indices(total: int, clips: int, length: int, stride: int = 1) -> list[torch.Tensor]:
+    """The frame indices of `predict_multiview`'s `clips` clips of `length` frames `stride` apart.
+
+    Clips start at evenly spaced points of a `total`-frame video; a video too short
+    for one clip gives every clip as the whole video resampled to `length` frames.
+    """
+    span = (length - 1) * stride + 1
+    if total < span:
+        return [sample_frame_indices(total, length)] * clips
+    return [torch.arange(s, s + span, stride) for s in _crop_offsets(total, span, clips)]
 
 
 @contextmanager
@@ -339,12 +351,7 @@ class VTN(nn.Module):
         crop = crop_size or min(height, width)
         if crop > min(height, width):
             raise ValueError(f"crop_size {crop} is larger than the frames ({height}x{width})")
-        span = (length - 1) * frame_stride + 1
-        if total >= span:
-            starts = _crop_offsets(total, span, clips)
-            clip_idx = [torch.arange(s, s + span, frame_stride) for s in starts]
-        else:  # too short for one clip: every clip is the whole video resampled
-            clip_idx = [sample_frame_indices(total, length)] * clips
+        clip_idx = multiview_clip_indices(total, clips, length, frame_stride)
         tall = height >= width
         offsets = _crop_offsets(height if tall else width, crop, crops)
         across = (width if tall else height) - crop
