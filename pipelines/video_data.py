@@ -306,13 +306,18 @@ class VideoRow:
     fps: float | None
 
 
-def iter_videos(uri: str, split: str, *, endpoint_url: str | None = None, limit: int | None = None) -> Iterator[VideoRow]:
-    """The stored videos of `split`, shard by shard in key order (one shard in memory at a time; no Ray)."""
+def iter_videos(uri: str, split: str, *, manifest: dict[str, Any] | None = None, endpoint_url: str | None = None,
+                limit: int | None = None) -> Iterator[VideoRow]:
+    """The stored videos of `split`, shard by shard in key order (one shard in memory at a time; no Ray).
+
+    `manifest`: the output's, when the caller has read it already (read here otherwise).
+    """
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = read_video_manifest(uri, endpoint_url=endpoint_url)
+    if manifest is None:
+        manifest = read_video_manifest(uri, endpoint_url=endpoint_url)
     seen = 0
     for key in shard_keys(store, manifest, split):
         fs, path = store.arrow(key)

@@ -189,6 +189,7 @@ def evaluation_inputs(config: VideoTrainConfig, manifest: dict[str, Any], model:
         return videos, FeaturePredictor(model, config)
 
     def frame_videos(limit: int | None = config.eval_limit) -> Iterable[Any]:
-        return iter_videos(config.data, config.eval_split, endpoint_url=config.endpoint_url, limit=limit)
+        return iter_videos(config.data, config.eval_split, manifest=manifest, endpoint_url=config.endpoint_url,
+                           limit=limit)
 
     return frame_videos, None
