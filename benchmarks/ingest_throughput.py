@@ -7,13 +7,13 @@ Measured in one run, on one corpus of JPEGs in class folders, in `--rounds` alte
 rounds (decode, loop, stage, Ray tasks, pool, decode, ...) after a warm-up; medians are reported:
 
 * `decode_resize_per_core`: PIL decode + resize + centre crop only (bytes already in
-  memory, `pipelines.images.decode_image`), one process: the per-core ceiling.
+  memory, `pipelines.image.patches.decode_image`), one process: the per-core ceiling.
 * `loop`: one process reads each file, decodes and resizes it, patchifies with numpy
   and appends to one Parquet writer (same compression as the stage).
 * `stage`: `run_ingest` on a local Ray cluster of `--cpus` CPUs, after a small warm-up
   run that starts the worker processes. Wall time of the whole stage: listing,
   planning, decoding, Parquet writes, manifest.
-* `ray_tasks`: the stage's own per-shard function (`pipelines.ingest.process_shard`) over
+* `ray_tasks`: the stage's own per-shard function (`pipelines.image.ingest.process_shard`) over
   the same shard plans as plain Ray tasks of one CPU, all submitted at once: Ray without
   Ray Data.
 * `process_pool`: the same over a plain `ProcessPoolExecutor` of `--cpus` warm processes,
@@ -56,10 +56,11 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines import ingest_plan, shards  # noqa: E402
-from pipelines.images import decode_image, patchify  # noqa: E402
-from pipelines.ingest import IngestConfig, process_shard, run_ingest  # noqa: E402
-from pipelines.storage import S3Settings, open_store  # noqa: E402
+from pipelines import shards  # noqa: E402
+from pipelines.core import plan as ingest_plan
+from pipelines.image.patches import decode_image, patchify  # noqa: E402
+from pipelines.image.ingest import IngestConfig, process_shard, run_ingest  # noqa: E402
+from pipelines.core.storage import S3Settings, open_store  # noqa: E402
 
 CLASSES = 10
 

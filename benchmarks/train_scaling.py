@@ -2,7 +2,7 @@
 
     python benchmarks/train_scaling.py --json
 
-Ray side: `pipelines.train_loop.train_loop_per_worker` on N workers × 1 torch
+Ray side: `pipelines.training.loop.train_loop_per_worker` on N workers × 1 torch
 thread, streaming an ingested corpus through Ray Data (`get_dataset_shard` →
 `iter_torch_batches`), DDP over gloo. Plain side: the same model and the same
 `TrainStep` in this process with N torch threads, on the same global batch,
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipelines import train_loop  # noqa: E402
 from pipelines import train_step  # noqa: E402
-from pipelines.train_step import LoopSettings  # noqa: E402
+from pipelines.training.step import LoopSettings  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,8 +69,8 @@ def make_data(workdir: Path, args: argparse.Namespace) -> str:
     """Render a fractal corpus and ingest it (in a short-lived local Ray)."""
     import ray
 
-    from pipelines.corpus import synth_corpus
-    from pipelines.ingest import IngestConfig, run_ingest
+    from pipelines.corpora.images import synth_corpus
+    from pipelines.image.ingest import IngestConfig, run_ingest
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
@@ -95,7 +95,7 @@ def settings_for(args: argparse.Namespace, manifest: dict[str, Any], steps: int,
 
 def plain_rate(args: argparse.Namespace, settings: LoopSettings, data: str) -> float:
     """Images/s of `TrainStep` in this process with `--workers` threads, data in memory."""
-    from pipelines.data import load_split
+    from pipelines.image.data import load_split
 
     torch.set_num_threads(args.workers)
     x_all, y_all = load_split(data, "train")
@@ -126,7 +126,7 @@ def ray_rate(args: argparse.Namespace, settings: LoopSettings, data: str, storag
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipelines.data import patch_dataset
+    from pipelines.image.data import patch_dataset
 
     # Logical CPUs for the workers plus Ray Data's read/decode tasks; they share the physical cores.
     ray.init(num_cpus=args.workers + 2, _node_ip_address="127.0.0.1", include_dashboard=True,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         data = args.data or make_data(work, args)
-        from pipelines.data import read_manifest
+        from pipelines.image.data import read_manifest
 
         manifest = read_manifest(data)
         total = args.warmup_steps + args.steps

@@ -18,7 +18,7 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-from pipelines.errors import VitpipeError
+from pipelines.core.errors import VitpipeError
 
 
 def one_line(err: BaseException) -> str:
@@ -35,7 +35,7 @@ class _Group(TyperGroup):
     """Turns user-facing errors of any subcommand into `error: <one line>` and exit status 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        from pipelines.logfile import start_log_file
+        from pipelines.core.logfile import start_log_file
 
         global _log_file
         _log_file = start_log_file()
@@ -54,12 +54,12 @@ class _Group(TyperGroup):
 
 # Exits and usage errors that the CLI framework reports itself (typer.Exit is a RuntimeError).
 _CLI_EXITS = (typer.Exit, typer.Abort, typer.TyperException, click.exceptions.Exit, click.ClickException, click.Abort)
-_log_file: Path | None = None  # this command's log (pipelines.logfile)
+_log_file: Path | None = None  # this command's log (pipelines.core.logfile)
 
 
 def fail(message: str) -> None:
     """Print `error: <message>` and where the details are, and exit with status 1."""
-    from pipelines.logfile import ray_logs_dir
+    from pipelines.core.logfile import ray_logs_dir
 
     where = [f"log: {_log_file}"] if _log_file else []
     ray_logs = ray_logs_dir()
@@ -85,7 +85,7 @@ def _init_ray(address: Optional[str]) -> None:
 
 def _log_progress() -> None:
     """Show vitpipe's own INFO lines on stderr (not those of botocore and friends)."""
-    from pipelines.logfile import console_handler
+    from pipelines.core.logfile import console_handler
 
     console_handler().setLevel(logging.INFO)
 
@@ -101,7 +101,7 @@ def corpus_synth(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
 ) -> None:
     """Write a formula-driven (IFS fractal) corpus as JPEGs in class folders."""
-    from pipelines.corpus import synth_corpus
+    from pipelines.corpora.images import synth_corpus
 
     _init_ray(ray_address)
     result = synth_corpus(dest, images=images, classes=classes, size=size, seed=seed, endpoint_url=endpoint_url)
@@ -117,7 +117,7 @@ def corpus_digits(
     endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint."),
 ) -> None:
     """Export scikit-learn's handwritten digits with a fixed train/test split (manifest.csv)."""
-    from pipelines.corpus import export_digits
+    from pipelines.corpora.images import export_digits
 
     result = export_digits(dest, size=size, test_fraction=test_fraction, seed=seed, endpoint_url=endpoint_url)
     manifest = f"{dest.rstrip('/')}/manifest.csv"
@@ -137,7 +137,7 @@ def corpus_synth_video(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
 ) -> None:
     """Write a generated video corpus (digits moving along class paths) as MP4s in class folders."""
-    from pipelines.video_corpus import synth_video_corpus
+    from pipelines.corpora.videos import synth_video_corpus
 
     _init_ray(ray_address)
     result = synth_video_corpus(dest, videos=videos, classes=classes, size=size, frames=frames, seed=seed,
@@ -164,7 +164,7 @@ def ingest(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Decode, resize and patchify a corpus into Parquet shards plus manifest.json (resumable)."""
-    from pipelines.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import IngestConfig, run_ingest
 
     fields: dict[str, Any] = dict(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, image_size=image_size,
@@ -214,7 +214,7 @@ def video_ingest(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Decode, sample and resize videos into Parquet shards of frames plus manifest.json (resumable)."""
-    from pipelines.video_ingest import VideoIngestConfig, run_video_ingest
+    from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
 
     config = VideoIngestConfig(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, frame_size=frame_size,
@@ -249,9 +249,11 @@ def _run_stage(module: str, config: str, sets: list[str], ray_address: Optional[
     """Load, validate and run one stage; print its result as JSON."""
     import importlib
 
-    from pipelines.stage_config import parse_overrides
+    from pipelines.core.stage_config import parse_overrides
 
-    stage = importlib.import_module(f"pipelines.{module}")
+    from pipelines.spec import _MODULES
+
+    stage = importlib.import_module(_MODULES[module])
     cfg = stage.load_config(config, **parse_overrides(sets))
     _log_progress()
     run = getattr(stage, f"run_{module}")

@@ -39,12 +39,12 @@ def _write_once(path: Path, write: Callable[[], object]) -> None:
 
 def _write_corpora(workdir: Path, video: bool = False) -> None:
     """The demo's corpora under `workdir/corpus`, each written once: fractals, and the digits or the videos."""
-    from pipelines.corpus import export_digits, synth_corpus
+    from pipelines.corpora.images import export_digits, synth_corpus
 
     corpus = workdir / "corpus"
     _write_once(corpus / "fractals", lambda: synth_corpus(str(corpus / "fractals"), seed=0, **FRACTALS))
     if video:
-        from pipelines.video_corpus import synth_video_corpus
+        from pipelines.corpora.videos import synth_video_corpus
 
         _write_once(corpus / "videos", lambda: synth_video_corpus(str(corpus / "videos"), seed=0, **VIDEOS))
     else:

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipelines.errors import VitpipeError
+from pipelines.core.errors import VitpipeError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Shipped to the cluster: code, specs, configs. Not history, data, runs or build output.

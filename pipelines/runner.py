@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines import tracking
-from pipelines.errors import VitpipeError
+from pipelines.core import tracking
+from pipelines.core.errors import VitpipeError
 from pipelines.spec import INGEST_KINDS, PipelineSpec
 
 logger = logging.getLogger("vitpipe.runner")
@@ -100,11 +100,11 @@ def _run_ingest_stage(kind: str, config: Any, client: Any, experiment: str, pare
     """Ingests (and the video features stage) have no tracking of their own: the runner records each as a
     child run with its manifest."""
     if kind == "video_ingest":
-        from pipelines.video_ingest import run_video_ingest as run
+        from pipelines.video.ingest import run_video_ingest as run
     elif kind == "video_features":
-        from pipelines.video_features import run_video_features as run
+        from pipelines.video.features import run_video_features as run
     else:
-        from pipelines.ingest import run_ingest as run
+        from pipelines.image.ingest import run_ingest as run
 
     result = run(config, force=bool(forced))
     manifest = result.manifest
@@ -124,18 +124,18 @@ def _run_ingest_stage(kind: str, config: Any, client: Any, experiment: str, pare
 
 def _run_stage(kind: str, config: Any, ray_address: str | None) -> Any:
     if kind == "pretrain":
-        from pipelines.pretrain import run_pretrain
+        from pipelines.image.pretrain import run_pretrain
 
         return run_pretrain(config, ray_address=ray_address)
     if kind == "finetune":
-        from pipelines.finetune import run_finetune
+        from pipelines.image.finetune import run_finetune
 
         return run_finetune(config, ray_address=ray_address)
     if kind == "video_train":
-        from pipelines.video_train import run_video_train
+        from pipelines.video.train import run_video_train
 
         return run_video_train(config, ray_address=ray_address)
-    from pipelines.evaluate import run_evaluate
+    from pipelines.image.evaluate import run_evaluate
 
     return run_evaluate(config)
 

@@ -37,13 +37,16 @@ from pydantic import (
     field_validator, model_serializer, model_validator,
 )
 
-from pipelines.errors import VitpipeError
-from pipelines.stage_config import parse_overrides
-from pipelines.storage import parse_uri
-from pipelines.tracking import resolve_tracking_uri
+from pipelines.core.errors import VitpipeError
+from pipelines.core.stage_config import parse_overrides
+from pipelines.core.storage import parse_uri
+from pipelines.core.tracking import resolve_tracking_uri
 
 Kind = Literal["ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"]
 KINDS: tuple[str, ...] = get_args(Kind)
+_MODULES = {"ingest": "pipelines.image.ingest", "pretrain": "pipelines.image.pretrain", "finetune": "pipelines.image.finetune",
+            "evaluate": "pipelines.image.evaluate", "video_ingest": "pipelines.video.ingest",
+            "video_features": "pipelines.video.features", "video_train": "pipelines.video.train"}
 RUN = "run"  # the pseudo-kind of an input that is an existing MLflow run or model, not a stage
 
 
@@ -89,7 +92,7 @@ def config_model(kind: str) -> type[BaseModel]:
     """The pydantic config model of a stage kind, `pipelines.<kind>.<Kind>Config` (e.g. video_train:
     `VideoTrainConfig`), imported on first use: the stage modules are heavy."""
     name = "".join(part.capitalize() for part in kind.split("_")) + "Config"
-    return getattr(importlib.import_module(f"pipelines.{kind}"), name)
+    return getattr(importlib.import_module(_MODULES[kind]), name)
 
 
 def is_run_ref(ref: str) -> bool:

@@ -11,7 +11,7 @@
   of ingest.
 
 Ray workers never get AWS variables from the environment: stages resolve
-credentials on the driver and pass them along (`pipelines.storage.S3Settings`).
+credentials on the driver and pass them along (`pipelines.core.storage.S3Settings`).
 """
 
 from __future__ import annotations
@@ -242,8 +242,8 @@ def tiny_dataset(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFacto
 
     Splits by key hash: val 0.2, test 0.1. Returns the output directory.
     """
-    from pipelines.corpus import synth_corpus
-    from pipelines.ingest import IngestConfig, run_ingest
+    from pipelines.corpora.images import synth_corpus
+    from pipelines.image.ingest import IngestConfig, run_ingest
 
     root = tmp_path_factory.mktemp("tiny-dataset")
     synth_corpus(str(root / "corpus"), images=120, classes=4, size=24, seed=0)

@@ -13,8 +13,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.corpus import FILL_RANGE, class_names, class_system, export_digits, fill_fraction, render, synth_corpus
-from pipelines.ingest import IngestConfig, run_ingest
+from pipelines.corpora.images import FILL_RANGE, class_names, class_system, export_digits, fill_fraction, render, synth_corpus
+from pipelines.image.ingest import IngestConfig, run_ingest
 
 
 def tree(root: Path) -> dict[str, bytes]:

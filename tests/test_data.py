@@ -1,4 +1,4 @@
-"""pipelines.data: the manifest, Ray Datasets of patch batches with CPU augmentation, splits in memory."""
+"""pipelines.image.data: the manifest, Ray Datasets of patch batches with CPU augmentation, splits in memory."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines import shards
-from pipelines.data import (
+from pipelines.core import shards
+from pipelines.image.data import (
     PATCH_MEAN,
     PATCH_STD,
     AugmentConfig,
@@ -22,8 +22,8 @@ from pipelines.data import (
     random_resized_crop,
     read_manifest,
 )
-from pipelines.errors import VitpipeError
-from pipelines.images import patchify_batch
+from pipelines.core.errors import VitpipeError
+from pipelines.image.patches import patchify_batch
 
 
 def stored_rows(output: str, split: str) -> dict[str, tuple[np.ndarray, int]]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipelines.evaluate import EvaluateConfig, few_shot_accuracy, load_config, ridge_fit, run_evaluate, sample_support
+from pipelines.image.evaluate import EvaluateConfig, few_shot_accuracy, load_config, ridge_fit, run_evaluate, sample_support
 
 
 def blobs(n_per_class: int, classes: int, dim: int, seed: int, spread: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:

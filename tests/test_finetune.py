@@ -25,10 +25,10 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines.data import read_manifest
-from pipelines.errors import VitpipeError
-from pipelines.finetune import FinetuneConfig, FinetuneResult, run_finetune
-from pipelines.starting_weights import fetch_starting_weights
+from pipelines.image.data import read_manifest
+from pipelines.core.errors import VitpipeError
+from pipelines.image.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json
 from tests.transfer_fixtures import DIGITS_SIZE
 
@@ -178,7 +178,7 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
     config_file = tmp_path / "finetune.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     log = tmp_path / "stage.log"
-    command = [sys.executable, "-m", "pipelines.finetune", "--config", str(config_file), "--ray-address", ray_cluster.address]
+    command = [sys.executable, "-m", "pipelines.image.finetune", "--config", str(config_file), "--ray-address", ray_cluster.address]
     sweep_dir = tmp_path / "runs" / "killed"
     with open(log, "ab") as out:
         first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import vit
-from pipelines.finetune import FinetuneConfig, default_batch_size, load_config
-from pipelines.finetune_data import MemoryRows, augment_config, decode_batch, in_holdout, memory_batches
-from pipelines.finetune_trial import TrialSettings, at_resolution, build_finetune_optimizer, freeze_backbone
-from pipelines.starting_weights import fetch_starting_weights, init_kind
-from pipelines.train_step import TrainStep, build_scheduler
+from pipelines.image.finetune import FinetuneConfig, default_batch_size, load_config
+from pipelines.image.finetune_data import MemoryRows, augment_config, decode_batch, in_holdout, memory_batches
+from pipelines.image.finetune_trial import TrialSettings, at_resolution, build_finetune_optimizer, freeze_backbone
+from pipelines.training.starting_weights import fetch_starting_weights, init_kind
+from pipelines.training.step import TrainStep, build_scheduler
 
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=4, image_size=16, num_classes=4)
 
@@ -87,7 +87,7 @@ def _table(n: int, size: int = 16, patch: int = 4) -> tuple[pa.Table, dict]:
     grid = size // patch
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(n, size, size, 3), dtype=np.uint8)
-    from pipelines.images import patchify_batch
+    from pipelines.image.patches import patchify_batch
 
     patches = patchify_batch(images, patch)
     table = pa.table({
@@ -122,7 +122,7 @@ def test_rows_are_resized_to_the_trial_resolution_in_the_shared_patch_order():
 
 def _memory_rows(n: int) -> MemoryRows:
     table, manifest = _table(n)
-    from pipelines.data import patches_array
+    from pipelines.image.data import patches_array
 
     patches = np.array(patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"]))
     return MemoryRows(patches, np.arange(n), table.column("key").to_pylist(), manifest, 16, None)

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 import vit.patches
-from pipelines import shards
-from pipelines.images import decode_image
-from pipelines.ingest import IngestConfig, run_ingest
+from pipelines.core import shards
+from pipelines.image.patches import decode_image
+from pipelines.image.ingest import IngestConfig, run_ingest
 from tests.process_output import result_json
 
 CLASSES = ["ant", "bee", "cow"]

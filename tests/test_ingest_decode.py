@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import vit.patches
-from pipelines.images import RejectedImage, decode_image, patchify, patchify_batch, unpatchify
+from pipelines.image.patches import RejectedImage, decode_image, patchify, patchify_batch, unpatchify
 
 S = 16
 LIMIT = 10**8

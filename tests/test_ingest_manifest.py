@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipelines.errors import IngestError
-from pipelines.ingest import IngestConfig, run_ingest
+from pipelines.core.errors import IngestError
+from pipelines.image.ingest import IngestConfig, run_ingest
 
 
 def _write_flat_corpus(root: Path, n: int) -> list[str]:

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipelines import shards
-from pipelines.data import read_manifest
-from pipelines.errors import IngestError, StorageError, VitpipeError
-from pipelines.ingest import IngestConfig, run_ingest
+from pipelines.core import shards
+from pipelines.image.data import read_manifest
+from pipelines.core.errors import IngestError, StorageError, VitpipeError
+from pipelines.image.ingest import IngestConfig, run_ingest
 
 GOOD_PER_CLASS = 50
 
@@ -147,7 +147,7 @@ def test_a_storage_failure_inside_a_worker_surfaces_as_one_line(ray_cluster, cor
 def test_errors_raised_inside_ray_data_are_recovered_as_one_line(ray_cluster):
     import ray.data
 
-    from pipelines.errors import find_vitpipe_error
+    from pipelines.core.errors import find_vitpipe_error
 
     def _fail_in_worker(batch):  # defined here so that it travels by value (workers cannot import tests)
         raise StorageError("s3://bucket/x: bucket does not exist")

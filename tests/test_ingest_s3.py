@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines import shards
-from pipelines.data import read_manifest
-from pipelines.errors import StorageError
-from pipelines.ingest import IngestConfig, run_ingest
+from pipelines.core import shards
+from pipelines.image.data import read_manifest
+from pipelines.core.errors import StorageError
+from pipelines.image.ingest import IngestConfig, run_ingest
 
 
 def _corpus(root: Path, classes: int = 3, per_class: int = 20, seed: int = 0) -> list[str]:
@@ -108,7 +108,7 @@ def test_the_s3_output_reads_back_as_a_finished_manifest(s3_env, bucket, ingeste
 
 
 def test_training_reads_the_s3_output_through_ray_data(s3_env, bucket, ingested):
-    from pipelines.data import load_split, patch_dataset
+    from pipelines.image.data import load_split, patch_dataset
 
     ds = patch_dataset(f"s3://{bucket}/out", "train", augment=False)
     rows = sum(len(batch["label"]) for batch in ds.iter_torch_batches(batch_size=16))

@@ -53,7 +53,7 @@ def token_cluster(tmp_path_factory) -> TokenCluster:
 @pytest.fixture(scope="module")
 def ingest_spec(tmp_path_factory) -> Path:
     """A one-stage pipeline (ingest of 60 images) with absolute paths: a local cluster sees this filesystem."""
-    from pipelines.corpus import synth_corpus
+    from pipelines.corpora.images import synth_corpus
 
     tmp = tmp_path_factory.mktemp("job-spec")
     synth_corpus(str(tmp / "corpus"), images=60, classes=3, size=16, seed=5)

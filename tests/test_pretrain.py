@@ -23,8 +23,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines import tracking
-from pipelines.pretrain import PretrainConfig, TrainingDivergedError, run_pretrain
+from pipelines.core import tracking
+from pipelines.image.pretrain import PretrainConfig, TrainingDivergedError, run_pretrain
 from tests.process_output import result_json
 
 pytestmark = pytest.mark.slow
@@ -39,8 +39,8 @@ def corpus(ray_cluster, tmp_path_factory) -> str:
 
     Large enough that a run reads few passes: each pass over a split costs Ray Data seconds of start-up.
     """
-    from pipelines.corpus import synth_corpus
-    from pipelines.ingest import IngestConfig, run_ingest
+    from pipelines.corpora.images import synth_corpus
+    from pipelines.image.ingest import IngestConfig, run_ingest
 
     root = tmp_path_factory.mktemp("pretrain-data")
     synth_corpus(str(root / "corpus"), images=800, classes=4, size=24, seed=1)
@@ -183,7 +183,7 @@ def test_logged_checkpoint_loads_into_vit_with_the_logged_models_logits(trained)
 
 
 def test_logged_checkpoint_reproduces_the_final_validation_accuracy(trained):
-    from pipelines.data import load_split
+    from pipelines.image.data import load_split
 
     config, result, client = trained
     model = tracking.load_model_from_run(result.final_checkpoint, tracking_uri=client.tracking_uri).eval()
@@ -231,7 +231,7 @@ def _one_step_per_rank(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from pipelines import train_step
+    from pipelines.training import step as train_step
 
     s = train_step.LoopSettings.model_validate(config)
     rank = ray.train.get_context().get_world_rank()
@@ -267,7 +267,7 @@ def test_both_ranks_hold_identical_weights_after_a_step(ray_cluster, tmp_path):
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipelines.train_step import LoopSettings
+    from pipelines.training.step import LoopSettings
 
     overrides = {**TINY, "image_size": 16, "patch_size": 4, "num_classes": 4}
     settings = LoopSettings(model_name="ViT-Ti/16", model_overrides=overrides, steps=1, batch_size_per_worker=4, lr=1e-2)
@@ -326,7 +326,7 @@ def test_killed_worker_is_restarted_and_training_resumes_from_checkpoint(corpus,
 
 
 def _stage_process(config_file: Path, ray_address: str, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipelines.pretrain", "--config", str(config_file), "--ray-address", ray_address]
+    command = [sys.executable, "-m", "pipelines.image.pretrain", "--config", str(config_file), "--ray-address", ray_address]
     with open(log, "ab") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipelines import shards
-from pipelines.pretrain import PretrainConfig, load_config, loop_settings, model_overrides, run_identity, run_pretrain
+from pipelines.core import shards
+from pipelines.image.pretrain import PretrainConfig, load_config, loop_settings, model_overrides, run_identity, run_pretrain
 
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64)
 MANIFEST = {
@@ -135,7 +135,7 @@ def test_stage_refuses_a_model_that_cannot_read_the_data_before_starting_anythin
 
 
 def test_stage_refuses_data_that_is_not_a_finished_ingest_output(tmp_path):
-    from pipelines.errors import VitpipeError
+    from pipelines.core.errors import VitpipeError
 
     with pytest.raises(VitpipeError, match="not a finished ingest output"):
         run_pretrain(config(data=str(tmp_path)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines import tracking
+from pipelines.core import tracking
 
 
 @pytest.fixture(scope="module")

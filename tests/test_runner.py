@@ -20,7 +20,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines.errors import VitpipeError
+from pipelines.core.errors import VitpipeError
 from pipelines.runner import PipelineResult, run_pipeline
 from pipelines.spec import PipelineSpec, load_spec
 
@@ -55,7 +55,7 @@ def write_spec(tmp: Path, corpus: Path, tracking_uri: str | None = None, only: t
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from pipelines.corpus import synth_corpus
+    from pipelines.corpora.images import synth_corpus
 
     root = tmp_path_factory.mktemp("runner-corpus")
     synth_corpus(str(root), images=150, classes=3, size=16, seed=3)

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from ray import tune
 
-from pipelines.search_space import PARAMS, SearchSpace, build_search_alg
+from pipelines.image.search_space import PARAMS, SearchSpace, build_search_alg
 
 
 def test_constants_and_distributions_become_tune_domains():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import VitpipeError
+from pipelines.core.errors import VitpipeError
 from pipelines.spec import INPUTS, PipelineSpec, SpecError, load_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "pipelines" / "specs"

@@ -1,4 +1,4 @@
-"""pipelines.storage: URIs, listing, atomic writes, credentials and one-line errors (real S3 server)."""
+"""pipelines.core.storage: URIs, listing, atomic writes, credentials and one-line errors (real S3 server)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.errors import StorageError
-from pipelines.storage import Credentials, LocalStore, S3Settings, open_store, parse_uri, ray_storage
+from pipelines.core.errors import StorageError
+from pipelines.core.storage import Credentials, LocalStore, S3Settings, open_store, parse_uri, ray_storage
 
 KEYS = ["a.txt", "a/b.jpg", "a-b/c.jpg", "b/x/y.png", "b/z.png", "c"]
 

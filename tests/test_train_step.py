@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import vit
-from pipelines import train_step
-from pipelines.train_step import LoopSettings, TrainStep, WarmupDecay
+from pipelines.training import step as train_step
+from pipelines.training.step import LoopSettings, TrainStep, WarmupDecay
 
 CPU = torch.device("cpu")
 TINY = dict(image_size=16, patch_size=4, num_classes=5, depth=2, embed_dim=32, num_heads=2, mlp_dim=64)

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.video_corpus import (
+from pipelines.corpora.videos import (
     META_KEY,
     class_specs,
     make_video,

@@ -20,15 +20,16 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines import tracking, video_shards
-from pipelines.errors import VitpipeError
-from pipelines.feature_data import MULTIVIEW_NOTE, _feature_clip_batch, read_training_manifest
-from pipelines.video_data import ClipSpec, _clip_batch, iter_videos, read_video_manifest
-from pipelines.video_features import FORMAT, FrameFeatures, decode_features, load_config, run_video_features
-from pipelines.video_eval import frame_views
-from pipelines.video_train import build_initial_model
-from pipelines.video_train import load_config as load_train_config
-from pipelines.video_train import run_video_train
+from pipelines.core import tracking
+from pipelines.video import shards as video_shards
+from pipelines.core.errors import VitpipeError
+from pipelines.video.feature_data import MULTIVIEW_NOTE, _feature_clip_batch, read_training_manifest
+from pipelines.video.data import ClipSpec, _clip_batch, iter_videos, read_video_manifest
+from pipelines.video.features import FORMAT, FrameFeatures, decode_features, load_config, run_video_features
+from pipelines.video.eval import frame_views
+from pipelines.video.train import build_initial_model
+from pipelines.video.train import load_config as load_train_config
+from pipelines.video.train import run_video_train
 from tests.video_fixtures import (
     CLASSES,
     FRAMES,
@@ -180,7 +181,7 @@ def test_feature_clips_take_the_frames_seeded_frame_clips_take(extracted, video_
 
 
 def test_both_evaluation_modes_on_features_give_what_the_vtn_gives_on_the_frames(extracted, video_data, backbone_run):
-    from pipelines.feature_data import FeaturePredictor
+    from pipelines.video.feature_data import FeaturePredictor
 
     _, result = extracted
     config = train_config(result.output, backbone_run, train_frames=3, multiview_clips=4, full_video_frames=6)
@@ -312,7 +313,7 @@ def test_spec_accepts_a_video_features_stage_and_wires_it_into_video_train(tmp_p
 
 
 def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
-    from pipelines.video_features import main
+    from pipelines.video.features import main
 
     path = tmp_path / "features.yaml"
     path.write_text(f"data: {tmp_path}/videos\noutput: {tmp_path}/features\ninit: {tmp_path}\nnum_workers: 0\n")

@@ -20,11 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipelines import shards, video_shards
-from pipelines.errors import IngestError, VitpipeError
-from pipelines.video_corpus import class_specs, make_video, synth_video_corpus
-from pipelines.video_ingest import VideoIngestConfig, run_video_ingest
-from pipelines.videos import clip_indices, full_indices
+from pipelines.core import shards
+from pipelines.video import shards as video_shards
+from pipelines.core.errors import IngestError, VitpipeError
+from pipelines.corpora.videos import class_specs, make_video, synth_video_corpus
+from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
+from pipelines.video.decode import clip_indices, full_indices
 from tests.process_output import result_json
 
 SEED, SIZE, FRAMES, CLASSES, VIDEOS = 0, 32, 16, 4, 24

@@ -19,10 +19,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines import tracking
-from pipelines.video_data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
-from pipelines.video_eval import ATTENTION_FIGURE, ATTENTION_VALUES, EVAL_TABLE
-from pipelines.video_train import build_initial_model, load_config, main, run_video_train
+from pipelines.core import tracking
+from pipelines.video.data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
+from pipelines.video.eval import ATTENTION_FIGURE, ATTENTION_VALUES, EVAL_TABLE
+from pipelines.video.train import build_initial_model, load_config, main, run_video_train
 from tests.video_fixtures import (
     FRAMES,
     TEMPORAL,
@@ -222,7 +222,7 @@ def test_seeded_training_clips_repeat_exactly_and_differ_by_pass_and_seed(ray_cl
 
 
 def test_data_that_is_not_a_video_ingest_output_is_refused(tmp_path):
-    from pipelines.errors import VitpipeError
+    from pipelines.core.errors import VitpipeError
 
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "vitpipe-patches/1", "classes": ["a"]}))
     (tmp_path / "_SUCCESS").write_text("{}")

@@ -37,7 +37,7 @@ class Pretrained:
 @pytest.fixture(scope="session")
 def digits_export(tmp_path_factory) -> Path:
     """The digits as 32×32 PNGs with their fixed train/test manifest."""
-    from pipelines.corpus import export_digits
+    from pipelines.corpora.images import export_digits
 
     root = tmp_path_factory.mktemp("digits-export")
     export_digits(str(root), size=DIGITS_SIZE)
@@ -45,7 +45,7 @@ def digits_export(tmp_path_factory) -> Path:
 
 
 def _ingest(export: Path, out: Path, size: int) -> str:
-    from pipelines.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import IngestConfig, run_ingest
 
     config = IngestConfig(source=str(export), output=str(out), manifest=str(export / "manifest.csv"),
                           image_size=size, patch_size=PATCH, shard_size=600)
@@ -61,7 +61,7 @@ def digits_data(ray_cluster, digits_export, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def pretrained(ray_cluster, mlflow_server, digits_export, tmp_path_factory) -> Pretrained:
     """A tiny ViT pretrained by the pretrain stage for 160 steps on the digits at 16×16."""
-    from pipelines.pretrain import PretrainConfig, run_pretrain
+    from pipelines.image.pretrain import PretrainConfig, run_pretrain
 
     root = tmp_path_factory.mktemp("transfer-pretrain")
     data = _ingest(digits_export, root / "digits-16", PRETRAIN_SIZE)

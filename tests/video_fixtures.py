@@ -1,4 +1,4 @@
-"""Video shards in the ingest's on-storage format (`pipelines.video_shards`), without decoding any video.
+"""Video shards in the ingest's on-storage format (`pipelines.video.shards`), without decoding any video.
 
 `write_video_shards` produces what the video ingest stage writes
 (`shards/shard-NNNNNN.parquet`, `manifest.json` with format `vitpipe-video/1`,
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipelines import video_shards
+from pipelines.video import shards as video_shards
 
 CLASSES = {"forward": 0, "backward": 1}
 FRAMES = 8  # frames stored per video in the stage tests, and per training clip: each frame keeps its position
@@ -105,7 +105,7 @@ def pretrain_position_backbone(directory: str | Path, *, size: int = 32, steps: 
     import torch.nn.functional as F
 
     import vit
-    from pipelines.video_data import normalize_video
+    from pipelines.video.data import normalize_video
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -135,7 +135,7 @@ def logged_backbone_run(tmp: str | Path, experiment: str, *, steps: int = 200) -
     `<tmp>/mlflow.db`: `run_id`, `tracking_uri`, `checkpoint` (the local copy), `tmp` and `init` (its runs:/ URI)."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines import tracking
+    from pipelines.core import tracking
 
     checkpoint = pretrain_position_backbone(Path(tmp) / "checkpoint", steps=steps)
     uri = f"sqlite:///{tmp}/mlflow.db"

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipelines.errors import VitpipeError
+from pipelines.core.errors import VitpipeError
 
 HOLDOUT_SALT = "finetune-holdout/"  # keys hashed with this salt pick the minival images
 Role = Literal["train", "val", "test"]
@@ -36,7 +36,7 @@ class DataSpec:
 
     uri: str
     manifest: dict[str, Any]
-    settings: Any = None  # pipelines.storage.S3Settings for s3:// data
+    settings: Any = None  # pipelines.core.storage.S3Settings for s3:// data
     holdout: float = 0.0  # fraction of train held out as minival when the data has no val split
 
 
@@ -45,7 +45,7 @@ def augment_config(strength: float, hflip: bool) -> Any:
 
     Strength 1 is the pretraining default: crops of 25–100% of the area, aspect 3/4–4/3.
     """
-    from pipelines.data import AugmentConfig
+    from pipelines.image.data import AugmentConfig
 
     if strength <= 0:
         return None
@@ -57,7 +57,7 @@ def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], 
     """uint8 patch sequences of images on `grid` → the same images resized to `size`×`size`, re-patchified."""
     from PIL import Image
 
-    from pipelines.images import patchify_batch, unpatchify
+    from pipelines.image.patches import patchify_batch, unpatchify
 
     images = unpatchify(patches, patch_size, grid)
     out = np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC)) for im in images])
@@ -66,7 +66,7 @@ def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], 
 
 def in_holdout(keys: list[str], fraction: float) -> np.ndarray:
     """Which keys belong to the minival carved out of train (a stable hash of the key)."""
-    from pipelines.shards import split_of
+    from pipelines.core.shards import split_of
 
     return np.array([split_of(HOLDOUT_SALT + k, fraction, 0.0) == "val" for k in keys], dtype=bool)
 
@@ -75,7 +75,7 @@ def decode_arrays(
     patches: np.ndarray, labels: np.ndarray, keys: list[str], *, manifest: dict[str, Any], size: int, aug: Any
 ) -> dict[str, np.ndarray]:
     """uint8 patch sequences → normalised float32 patches at `size`×`size` (augmented when `aug`), int64 labels."""
-    from pipelines.data import augment_patches, normalize
+    from pipelines.image.data import augment_patches, normalize
 
     p, grid = manifest["patch_size"], tuple(manifest["grid"])
     if aug is not None and len(patches):
@@ -96,7 +96,7 @@ def select_rows(table: Any, keep: str, holdout: float) -> Any:
 
 def decode_batch(table: Any, *, manifest: dict[str, Any], keep: str, holdout: float, size: int, aug: Any) -> dict[str, np.ndarray]:
     """Parquet rows (`patches`, `label`, `key`) → `decode_arrays`, after keeping the rows of `keep`."""
-    from pipelines.data import patches_array
+    from pipelines.image.data import patches_array
 
     table = select_rows(table, keep, holdout)
     patches = patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"])
@@ -121,7 +121,7 @@ def _tables(data: DataSpec, role: Role) -> Iterator[tuple[Any, str]]:
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from pipelines.storage import open_store
+    from pipelines.core.storage import open_store
 
     split, keep = source(data, role)
     store = open_store(data.uri, data.settings)
@@ -172,7 +172,7 @@ def memory_rows(data: DataSpec, *, size: int, aug: Any) -> MemoryRows:
     """Read the training rows once, undecoded (so every epoch can crop them afresh)."""
     import pyarrow as pa
 
-    from pipelines.data import patches_array
+    from pipelines.image.data import patches_array
 
     tables = [select_rows(t, keep, data.holdout) for t, keep in _tables(data, "train")]
     table = pa.concat_tables(tables) if tables else None
@@ -210,7 +210,7 @@ def train_dataset(data: DataSpec, *, size: int, aug: Any = None) -> Any:
     import ray.data
     from ray.data.expressions import col
 
-    from pipelines.storage import open_store
+    from pipelines.core.storage import open_store
 
     split, keep = source(data, "train")
     store = open_store(data.uri, data.settings)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from pipelines.storage import S3Store, Store, open_store
+from pipelines.core.storage import S3Store, Store, open_store
 
 MIN_MAPS, MAX_MAPS = 2, 4
 FILL_RANGE = (0.06, 0.6)  # accepted fraction of covered pixels in a 64×64 test render

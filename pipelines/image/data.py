@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from pipelines import shards
-from pipelines.errors import VitpipeError
-from pipelines.images import patchify_batch, unpatchify
-from pipelines.storage import Store, open_store
+from pipelines.core import shards
+from pipelines.core.errors import VitpipeError
+from pipelines.image.patches import patchify_batch, unpatchify
+from pipelines.core.storage import Store, open_store
 
 __all__ = [
     "PATCH_MEAN",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pipelines.tracking import strip_userinfo
+from pipelines.core.tracking import strip_userinfo
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"
@@ -142,7 +142,7 @@ def _from_registry(init: str, tracking_uri: str) -> tuple[Any, str | None]:
 
 
 def _from_storage(init: str, endpoint_url: str | None) -> Any:
-    from pipelines.storage import open_store
+    from pipelines.core.storage import open_store
 
     import vit
 

@@ -3,7 +3,7 @@
 A `Store` is a root URI plus the few operations the stages need, addressed by
 keys relative to that root: paginated sorted listing, whole-object reads,
 atomic writes, deletes, and a pyarrow filesystem for Parquet readers.
-Credentials and endpoints are `pipelines.s3.S3Settings` (re-exported here).
+Credentials and endpoints are `pipelines.core.s3.S3Settings` (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipelines.errors import StorageError
-from pipelines.s3 import Credentials, S3Settings, redact, storage_error, strip_userinfo
+from pipelines.core.errors import StorageError
+from pipelines.core.s3 import Credentials, S3Settings, redact, storage_error, strip_userinfo
 
 __all__ = [
     "Credentials", "LocalStore", "Location", "S3Settings", "S3Store", "Store",

@@ -1,6 +1,6 @@
 """Training and evaluating a VTN's temporal encoder on precomputed frame features ("on features alone").
 
-When `video_train`'s `data` is a video features output (`pipelines.video_features`,
+When `video_train`'s `data` is a video features output (`pipelines.video.features`,
 format "vitpipe-video-features/1"), the backbone is frozen and never run:
 
 * training clips are feature clips `features` float32 `(T, D)`, `frame_positions`
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pipelines.data import seeded_passes
-from pipelines.storage import open_store
-from pipelines.video_data import ClipSpec, clip_rounds, shard_keys
+from pipelines.image.data import seeded_passes
+from pipelines.core.storage import open_store
+from pipelines.video.data import ClipSpec, clip_rounds, shard_keys
 
 COLUMNS = ("features", "num_frames", "dim", "label", "key", "split")  # what training reads
 MULTIVIEW_NOTE = "features of the centre square: multiview_clips clips x 1 crop (crops need pixels)"
@@ -39,15 +39,15 @@ __all__ = ["FeatureRow", "FromFrameFeatures", "MULTIVIEW_NOTE", "feature_clip_da
 
 def is_features(manifest: dict[str, Any]) -> bool:
     """True when a manifest describes a video features output rather than stored frames."""
-    from pipelines.video_features import FORMAT
+    from pipelines.video.features import FORMAT
 
     return manifest.get("format") == FORMAT
 
 
 def read_training_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a video ingest output or of a video features output; `VitpipeError` (one line) otherwise."""
-    from pipelines.data import read_manifest
-    from pipelines.video_data import check_classes, check_video_manifest
+    from pipelines.image.data import read_manifest
+    from pipelines.video.data import check_classes, check_video_manifest
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
     return check_classes(uri, manifest) if is_features(manifest) else check_video_manifest(uri, manifest)
@@ -70,7 +70,7 @@ def features_train_config(config: Any, manifest: dict[str, Any]) -> Any:
 
 def check_backbone(model: Any, manifest: dict[str, Any], config: Any) -> None:
     """The VTN's backbone must be the one that computed the features (same weights), or a one-line ValueError."""
-    from pipelines.video_features import weights_hash
+    from pipelines.video.features import weights_hash
 
     made_by = manifest.get("backbone") or {}
     if weights_hash(model.backbone) != made_by.get("weights_hash"):
@@ -98,7 +98,7 @@ def feature_inputs(batch: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _decode(table: Any, dtype: str) -> list[np.ndarray]:
-    from pipelines.video_features import decode_features
+    from pipelines.video.features import decode_features
 
     column = table.column("features").to_pylist()
     counts, dims = table.column("num_frames").to_numpy(), table.column("dim").to_numpy()

@@ -10,7 +10,7 @@ support images and the query split are read. The stage is one MLflow run that
 logs the table, a metric per k, and tags linking the run that produced the
 weights and the data manifest.
 
-    python -m pipelines.evaluate --config evaluate.yaml
+    python -m pipelines.image.evaluate --config evaluate.yaml
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines import tracking
-from pipelines.stage_config import load_stage_config, stage_main
-from pipelines.errors import VitpipeError
+from pipelines.core import tracking
+from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.errors import VitpipeError
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -135,7 +135,7 @@ def _support_pool(data: Any, split: str) -> tuple[list[str], np.ndarray]:
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from pipelines.storage import open_store
+    from pipelines.core.storage import open_store
 
     store = open_store(data.uri, data.settings)
     tables = []
@@ -156,8 +156,8 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from pipelines.finetune_data import decode_batch
-    from pipelines.storage import open_store
+    from pipelines.image.finetune_data import decode_batch
+    from pipelines.core.storage import open_store
 
     store = open_store(data.uri, data.settings)
     wanted = set(keys)
@@ -177,8 +177,8 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
 
 def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
     """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
-    from pipelines.finetune_data import iter_rows
-    from pipelines.finetune_results import class_names
+    from pipelines.image.finetune_data import iter_rows
+    from pipelines.image.finetune_results import class_names
 
     names = class_names(data.manifest)
     for split in {config.query_split, config.support_split}:
@@ -226,11 +226,11 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.data import read_manifest
-    from pipelines.finetune_data import DataSpec
-    from pipelines.finetune_trial import at_resolution
-    from pipelines.starting_weights import fetch_starting_weights, init_kind
-    from pipelines.storage import S3Settings
+    from pipelines.image.data import read_manifest
+    from pipelines.image.finetune_data import DataSpec
+    from pipelines.image.finetune_trial import at_resolution
+    from pipelines.training.starting_weights import fetch_starting_weights, init_kind
+    from pipelines.core.storage import S3Settings
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
@@ -285,7 +285,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.evaluate --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    """`python -m pipelines.image.evaluate --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
     return stage_main("evaluate", load_config, run_evaluate, argv, takes_ray_address=False)
 
 

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipelines.corpus import CorpusResult, _assignments, _open_dest
-from pipelines.storage import Store
+from pipelines.corpora.images import CorpusResult, _assignments, _open_dest
+from pipelines.core.storage import Store
 
 MAX_CLASSES = 15
 FPS_CHOICES = (10, 12, 15, 24, 25, 30)

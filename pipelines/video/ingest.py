@@ -2,16 +2,16 @@
 
 Video objects (MP4/MOV, MKV/WebM, AVI) in `<class>/<file>` folders or named by a
 CSV/Parquet manifest (key,label[,split]), in a local folder or under `s3://`.
-The stage is the image ingest's machinery (`pipelines.ingest.run_sharded_ingest`)
+The stage is the image ingest's machinery (`pipelines.image.ingest.run_sharded_ingest`)
 with a video shard step: Ray Data streams the listing into shard plans, and CPU
-workers fetch each shard's videos, decode them with PyAV (`pipelines.videos`),
+workers fetch each shard's videos, decode them with PyAV (`pipelines.video.decode`),
 sample frames (the whole video uniformly, or clips), resize the shorter side to
 `frame_size` and centre-crop, and write the shard atomically. Runs are resumable
 (finished shards of the same plan are reused) and idempotent (a finished output
 with the same config is left alone). Bad objects (corrupt or truncated, zero
 frames, audio only, unsupported container or codec) are rejected with a reason;
 the stage fails with one line only when more than `max_reject_fraction` of the
-objects are rejected. See `pipelines.video_shards` for the format.
+objects are rejected. See `pipelines.video.shards` for the format.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from pipelines import shards, video_shards
-from pipelines.ingest import (
+from pipelines.core import shards
+from pipelines.video import shards as video_shards
+from pipelines.image.ingest import (
     IngestKind,
     IngestResult,
     ShardedIngestConfig,
@@ -32,8 +33,8 @@ from pipelines.ingest import (
     run_sharded_ingest,
     shard_counts,
 )
-from pipelines.storage import S3Settings, Store
-from pipelines.videos import RejectedVideo, clip_indices, decode_video, full_indices
+from pipelines.core.storage import S3Settings, Store
+from pipelines.video.decode import RejectedVideo, clip_indices, decode_video, full_indices
 
 __all__ = ["VideoIngestConfig", "IngestResult", "run_video_ingest", "process_video_shard"]
 

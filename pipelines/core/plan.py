@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from pipelines import shards
-from pipelines.errors import IngestError
-from pipelines.storage import Store
+from pipelines.core import shards
+from pipelines.core.errors import IngestError
+from pipelines.core.storage import Store
 
 # An item is (key, label, split or "", class name, reason); a non-empty reason rejects it at planning.
 Item = tuple[str, int, str, str, str]

@@ -36,7 +36,7 @@ def find_vitpipe_error(exc: BaseException) -> VitpipeError | None:
     Ray re-raises a worker's exception wrapped (`RayTaskError`); the original sits
     in `.cause` or the `__cause__` chain. Ray Data's `UserCodeException` keeps
     neither, only the remote traceback text: as a last resort the error is rebuilt
-    from its `pipelines.errors.<Class>: <message>` line there.
+    from its `pipelines.core.errors.<Class>: <message>` line there.
     """
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]

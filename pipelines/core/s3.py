@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pipelines.errors import StorageError
+from pipelines.core.errors import StorageError
 
 DEFAULT_REGION = "us-east-1"
 

@@ -24,10 +24,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipelines import shards, video_shards
-from pipelines.data import PATCH_MEAN, PATCH_STD, key_seed, read_manifest, seeded_passes
-from pipelines.errors import VitpipeError
-from pipelines.storage import Store, open_store
+from pipelines.core import shards
+from pipelines.video import shards as video_shards
+from pipelines.image.data import PATCH_MEAN, PATCH_STD, key_seed, read_manifest, seeded_passes
+from pipelines.core.errors import VitpipeError
+from pipelines.core.storage import Store, open_store
 
 VIDEO_FORMAT = video_shards.FORMAT
 COLUMNS = ("frames", "num_frames", "height", "width", "label", "key", "split")  # what training reads
@@ -52,7 +53,7 @@ __all__ = [
 
 
 def read_video_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The manifest of a finished video ingest output (`pipelines.video_shards`); `VitpipeError` otherwise."""
+    """The manifest of a finished video ingest output (`pipelines.video.shards`); `VitpipeError` otherwise."""
     return check_video_manifest(uri, read_manifest(uri, endpoint_url=endpoint_url))
 
 
@@ -333,6 +334,6 @@ def iter_videos(uri: str, split: str, *, manifest: dict[str, Any] | None = None,
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """The manifest's content hash, or a hash of the manifest itself when it carries none."""
-    from pipelines.shards import fingerprint
+    from pipelines.core.shards import fingerprint
 
     return str(manifest.get("content_hash") or fingerprint(json.loads(json.dumps(manifest, default=str))))

@@ -2,7 +2,7 @@
 
 Precision choice, optimizer, warm-up/decay schedule, `TrainStep`, evaluation
 sums and train-state save/restore. The Ray Train worker loop
-(`pipelines.train_loop`), the fine-tune trials and the scaling benchmark all run
+(`pipelines.training.loop`), the fine-tune trials and the scaling benchmark all run
 exactly this step.
 """
 
@@ -35,8 +35,8 @@ class LoopSettings(BaseModel):
     # A vit checkpoint dir to start from: a local path for `build_model`; the Ray Train loop reads it
     # from the run's storage filesystem (local storage: the same path).
     init_checkpoint: str | None = None
-    # What a batch holds: "image" patches `(B, N, P·P·C)`, "video" clips (see `pipelines.video_data`), or
-    # "features" clips of precomputed frame features (see `pipelines.feature_data`).
+    # What a batch holds: "image" patches `(B, N, P·P·C)`, "video" clips (see `pipelines.video.data`), or
+    # "features" clips of precomputed frame features (see `pipelines.video.feature_data`).
     modality: Literal["image", "video", "features"] = "image"
     steps: int = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipelines.errors import VitpipeError
-from pipelines.finetune_data import DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset
-from pipelines.train_loop import Rank0Log, all_reduce_sum, gather_rng, train_batches
-from pipelines.train_step import (
+from pipelines.core.errors import VitpipeError
+from pipelines.image.finetune_data import DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset
+from pipelines.training.loop import Rank0Log, all_reduce_sum, gather_rng, train_batches
+from pipelines.training.step import (
     LoopSettings,
     TrainStep,
     build_loop_optimizer,
@@ -286,7 +286,7 @@ def open_trial_run(ctx: SweepContext, trial_id: str, trial_name: str, config: di
     """The trial's nested MLflow run: found by trial id under the stage run (a restored trial), else created."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines import tracking
+    from pipelines.core import tracking
 
     client = MlflowClient(ctx.tracking_uri)
     found = client.search_runs(

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from pipelines.errors import VitpipeError
+from pipelines.core.errors import VitpipeError
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 

@@ -2,7 +2,7 @@
 
 The driver validates the config against the ingest manifest, opens the stage's
 single MLflow run, builds a `TorchTrainer` whose workers run
-`pipelines.train_loop.train_loop_per_worker`, and after training logs the final
+`pipelines.training.loop.train_loop_per_worker`, and after training logs the final
 and best checkpoints, the model and a learning curve into the run.
 
 Running the same config again resumes: Ray Train finds the latest checkpoint
@@ -10,7 +10,7 @@ under the same `(storage, run name)`, and the unfinished MLflow run tagged with
 the same config hash is reopened, so an execution stays one run however often
 its driver dies. A config whose run already finished is not trained again.
 
-    python -m pipelines.pretrain --config pretrain.yaml [--ray-address ADDR]
+    python -m pipelines.image.pretrain --config pretrain.yaml [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pipelines import tracking
-from pipelines.stage_config import load_stage_config, stage_main
-from pipelines.errors import VitpipeError, find_vitpipe_error
-from pipelines.train_loop import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, train_loop_per_worker
-from pipelines.recipe import TrainRecipe
-from pipelines.train_step import LoopSettings
+from pipelines.core import tracking
+from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.errors import VitpipeError, find_vitpipe_error
+from pipelines.training.loop import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, train_loop_per_worker
+from pipelines.training.recipe import TrainRecipe
+from pipelines.training.step import LoopSettings
 
 logger = logging.getLogger(__name__)
 STAGE = "pretrain"
@@ -146,7 +146,7 @@ def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, 
 
 def storage_location(config: Any) -> tuple[str, Any]:
     """`(storage_path, storage_filesystem)` for Ray Train's RunConfig."""
-    from pipelines import storage
+    from pipelines.core import storage
 
     return storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
 
@@ -155,14 +155,14 @@ def build_trainer(config: Any, settings: LoopSettings, run_name: str, datasets: 
     """The `TorchTrainer` of this stage: datasets, scaling, storage, failure and checkpoint policy.
 
     `datasets` defaults to the image patch datasets of `config.data`; another
-    modality's stage (e.g. `pipelines.video_train`) passes its own.
+    modality's stage (e.g. `pipelines.video.train`) passes its own.
     """
     import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
     if datasets is None:
-        from pipelines.data import patch_dataset
+        from pipelines.image.data import patch_dataset
 
         # Reproducible: every pass over the data has its own seeded file order and crops, chained
         # into one dataset that covers the run.
@@ -290,7 +290,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     import ray
     from mlflow.tracking import MlflowClient
 
-    from pipelines.data import read_manifest
+    from pipelines.image.data import read_manifest
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     overrides = model_overrides(config, manifest)
@@ -335,7 +335,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.pretrain --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    """`python -m pipelines.image.pretrain --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
     return stage_main("pretrain", load_config, run_pretrain, argv)
 
 

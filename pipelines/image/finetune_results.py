@@ -15,8 +15,8 @@ import tempfile
 from typing import Any
 
 import vit
-from pipelines import tracking
-from pipelines.errors import VitpipeError, find_vitpipe_error
+from pipelines.core import tracking
+from pipelines.core.errors import VitpipeError, find_vitpipe_error
 
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
@@ -106,7 +106,7 @@ def evaluate_split(model: Any, data: Any, split: str, size: int) -> tuple[float,
     import numpy as np
     import torch
 
-    from pipelines.finetune_data import iter_rows
+    from pipelines.image.finetune_data import iter_rows
 
     classes = int(data.manifest.get("num_classes") or len(data.manifest["classes"]))
     matrix = np.zeros((classes, classes), dtype=np.int64)
@@ -129,7 +129,7 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
     """
     import pyarrow.fs as pafs
 
-    from pipelines.finetune_trial import latest_checkpoint
+    from pipelines.image.finetune_trial import latest_checkpoint
 
     fs = filesystem or pafs.LocalFileSystem()
     infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
@@ -162,7 +162,7 @@ def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_g
 
     Raises `VitpipeError` when every trial failed, naming the first failure.
     """
-    from pipelines import plots
+    from pipelines.core import plots
 
     outcomes = trial_outcomes(result_grid, metric)
     finish_trial_runs(client, run_id, outcomes)

@@ -8,15 +8,15 @@ The work is a Ray Data pipeline of two operators:
    (seeded), so a shard mixes classes without a global shuffle. Plans depend only
    on the listing and the config, which makes shard ids stable across reruns.
 2. *process* (many tasks, one shard each) fetches the objects with a few I/O
-   threads, decodes, resizes and patchifies them (`pipelines.images`), and writes
+   threads, decodes, resizes and patchifies them (`pipelines.image.patches`), and writes
    the shard atomically. A shard already written for the same plan and config is
    reused, which is what makes an interrupted run resumable.
 
 The driver only collects per-shard summaries (counts, rejects, hashes), writes
 `manifest.json`, and writes `_SUCCESS` last. A rerun whose `_SUCCESS` holds the
-same config fingerprint does nothing. See `pipelines.shards` for the format.
+same config fingerprint does nothing. See `pipelines.core.shards` for the format.
 
-The video ingest (`pipelines.video_ingest`) runs on the same machinery: its config
+The video ingest (`pipelines.video.ingest`) runs on the same machinery: its config
 extends `ShardedIngestConfig`, and `run_sharded_ingest` takes an `IngestKind` that
 names the per-shard work and the manifest it assembles.
 """
@@ -35,10 +35,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipelines import ingest_plan, shards
-from pipelines.errors import IngestError, StorageError, VitpipeError
-from pipelines.images import RejectedImage, decode_image, patchify
-from pipelines.storage import S3Settings, S3Store, Store, open_store, parse_uri
+from pipelines.core import plan as ingest_plan, shards
+from pipelines.core.errors import IngestError, StorageError, VitpipeError
+from pipelines.image.patches import RejectedImage, decode_image, patchify
+from pipelines.core.storage import S3Settings, S3Store, Store, open_store, parse_uri
 
 log = logging.getLogger("vitpipe.ingest")
 
@@ -46,7 +46,7 @@ PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
 
 
 class ShardedIngestConfig(BaseModel):
-    """Fields every ingest stage shares (images here, videos in `pipelines.video_ingest`): where the
+    """Fields every ingest stage shares (images here, videos in `pipelines.video.ingest`): where the
     objects are, where the shards go, splits, sharding, strictness. Holds no credentials."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

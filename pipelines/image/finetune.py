@@ -1,9 +1,9 @@
 """The transfer stage: fine-tune a pretrained ViT on a small task with a Ray Tune sweep.
 
-The driver fetches the starting weights (see `pipelines.starting_weights`),
+The driver fetches the starting weights (see `pipelines.training.starting_weights`),
 checks them against the data, stages them in the storage, opens the stage's
 MLflow run and runs the sweep: each trial a Ray Train run (see
-`pipelines.finetune_trial`) logging into a nested child run. Afterwards the best
+`pipelines.image.finetune_trial`) logging into a nested child run. Afterwards the best
 trial (by `metric`/`mode`) is evaluated on the test split, logged with the sweep
 and confusion-matrix figures, and registered in the MLflow Model Registry with
 tags linking it to its pretrain run and data manifest.
@@ -16,7 +16,7 @@ Running the same config again resumes: an interrupted sweep is restored with
 `Tuner.restore` (finished trials are not rerun; unfinished ones continue from
 their last checkpoint) inside the same MLflow run; a finished one is returned.
 
-    python -m pipelines.finetune --config finetune.yaml [--ray-address ADDR]
+    python -m pipelines.image.finetune --config finetune.yaml [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipelines import tracking
-from pipelines.stage_config import load_stage_config, stage_main
-from pipelines.finetune_results import report_sweep
-from pipelines.search_space import SearchSpace, Searcher, build_search_alg
+from pipelines.core import tracking
+from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.image.finetune_results import report_sweep
+from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
 
 logger = logging.getLogger(__name__)
 STAGE = "finetune"
@@ -54,7 +54,7 @@ class FinetuneConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: str = Field(description="ingest output (local dir or s3://bucket/prefix) of the target task")
-    init: str | None = None  # starting weights; see pipelines.starting_weights (None: from scratch)
+    init: str | None = None  # starting weights; see pipelines.training.starting_weights (None: from scratch)
     model: str | None = None  # architecture; required from scratch and for timm/HF files, checked otherwise
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     freeze_backbone: bool = False  # True: linear probe (head only)
@@ -209,8 +209,8 @@ def stage_init(model: Any, storage_path: str, filesystem: Any, sweep: str) -> st
 
 def training_data(config: FinetuneConfig, manifest: dict[str, Any]) -> tuple[Any, bool, int]:
     """The trials' data spec, whether training rows fit in memory, and the global batch size."""
-    from pipelines.finetune_data import DataSpec, raw_bytes
-    from pipelines.storage import S3Settings
+    from pipelines.image.finetune_data import DataSpec, raw_bytes
+    from pipelines.core.storage import S3Settings
 
     has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
     settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
@@ -289,9 +289,9 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     import ray
     from mlflow.tracking import MlflowClient
 
-    from pipelines import storage
-    from pipelines.data import read_manifest
-    from pipelines.starting_weights import fetch_starting_weights, init_kind
+    from pipelines.core import storage
+    from pipelines.image.data import read_manifest
+    from pipelines.training.starting_weights import fetch_starting_weights, init_kind
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
@@ -349,9 +349,9 @@ def _sweep_context(config: FinetuneConfig, data: Any, in_memory: bool, model: An
                    sweep: str, batch_size: int, per_worker: dict[str, float], tracking_uri: str, run_id: str,
                    client: Any) -> Any:
     """What every trial shares: data, staged weights, the worker settings that do not vary, where to log."""
-    from pipelines.finetune_results import class_names
-    from pipelines.finetune_trial import SweepContext
-    from pipelines.starting_weights import ARCH_FIELDS
+    from pipelines.image.finetune_results import class_names
+    from pipelines.image.finetune_trial import SweepContext
+    from pipelines.training.starting_weights import ARCH_FIELDS
 
     threads = config.torch_threads or (None if config.use_gpu else max(1, int(per_worker.get("CPU", 1))))
     base = dict(
@@ -379,7 +379,7 @@ def _run_sweep(config: FinetuneConfig, ctx: Any, storage_path: str, filesystem: 
                default_resolution: int) -> Any:
     from ray import tune
 
-    from pipelines.finetune_trial import run_trial
+    from pipelines.image.finetune_trial import run_trial
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), {"CPU": config.trial_driver_cpus})
     path = f"{storage_path}/{sweep}"
@@ -406,7 +406,7 @@ def _run_sweep(config: FinetuneConfig, ctx: Any, storage_path: str, filesystem: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.finetune --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    """`python -m pipelines.image.finetune --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
     return stage_main("finetune", load_config, run_finetune, argv)
 
 

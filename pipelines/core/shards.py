@@ -25,8 +25,8 @@ import blake3
 import numpy as np
 import pyarrow as pa
 
-from pipelines.errors import StorageError
-from pipelines.storage import Store, parse_uri
+from pipelines.core.errors import StorageError
+from pipelines.core.storage import Store, parse_uri
 
 FORMAT = "vitpipe-patches/1"
 SHARD_DIR = "shards"

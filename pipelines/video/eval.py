@@ -4,7 +4,7 @@
 * multi-view: `multiview_clips` clips × `multiview_crops` crops, softmax averaged.
 
 Both run on the stored frames of a video ingest output (`FramePredictor`) or on
-stored per-frame features (`pipelines.feature_data.FeaturePredictor`); each row
+stored per-frame features (`pipelines.video.feature_data.FeaturePredictor`); each row
 of the table holds top-1 and wall time, in frame order or shuffled (the paper's
 order ablation).
 """
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines import tracking
+from pipelines.core import tracking
 
 if TYPE_CHECKING:
-    from pipelines.video_train import VideoTrainConfig
+    from pipelines.video.train import VideoTrainConfig
 
 EVAL_TABLE = "evaluation/modes.json"
 ATTENTION_FIGURE = "attention/cls_attention_over_frames.png"
@@ -29,7 +29,7 @@ ATTENTION_VALUES = "attention/cls_attention_over_frames.json"
 
 def frame_views(frames: np.ndarray, size: int) -> tuple[Any, Any]:
     """A stored video → `(full frame video (T, 3, h, w), centre square (T, 3, S, S))`, shorter side `size`."""
-    from pipelines.video_data import normalize_video, prepare_full_video, resize_frames
+    from pipelines.video.data import normalize_video, prepare_full_video, resize_frames
 
     resized = resize_frames(frames, size)  # done once: prepare_full_video leaves a `size` shorter side as it is
     return normalize_video(resized), prepare_full_video(resized, size)
@@ -94,7 +94,7 @@ def evaluate_modes(model: Any, videos: Iterable[Any], config: VideoTrainConfig, 
                 correct[mode] += int(int(probs.argmax(-1)[0]) == row.label)
         count += 1
     if count == 0:
-        from pipelines.errors import VitpipeError
+        from pipelines.core.errors import VitpipeError
 
         raise VitpipeError(f"{tracking.strip_userinfo(config.data)}: split {config.eval_split!r} has no videos to evaluate")
     rows = []
@@ -148,7 +148,7 @@ def log_attention_picture(client: Any, run_id: str, model: Any, videos: list[Any
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipelines.video_data import resize_frames
+    from pipelines.video.data import resize_frames
 
     fig, axes = plt.subplots(2 * len(videos), 1, figsize=(9, 2.6 * len(videos)), squeeze=False,
                              gridspec_kw={"height_ratios": [1, 1.4] * len(videos)})
@@ -178,8 +178,8 @@ def log_attention_picture(client: Any, run_id: str, model: Any, videos: list[Any
 def evaluation_inputs(config: VideoTrainConfig, manifest: dict[str, Any], model: Any) -> tuple[Any, Any]:
     """`(videos(limit) → the eval split's videos, predictor)`: stored frames, or stored features with
     `feature_data.FeaturePredictor` (None: `evaluate_modes`' own frame predictor)."""
-    from pipelines.feature_data import FeaturePredictor, is_features, iter_feature_videos
-    from pipelines.video_data import iter_videos
+    from pipelines.video.feature_data import FeaturePredictor, is_features, iter_feature_videos
+    from pipelines.video.data import iter_videos
 
     if is_features(manifest):
         def videos(limit: int | None = config.eval_limit) -> Iterable[Any]:

@@ -5,11 +5,11 @@ across time. This stage
 
 * builds the VTN: its backbone from an image-pipeline run (`init`: a pretrain
   run id or `runs:/` URI, a registered model, a checkpoint directory or a
-  timm/HF file, read by `pipelines.starting_weights`) or from scratch, frozen
+  timm/HF file, read by `pipelines.training.starting_weights`) or from scratch, frozen
   or fine-tuned, at the frame size of the clips (learned position embeddings
   interpolated as for fine-tuning);
 * trains it on Ray Train with the image pipeline's worker loop
-  (`pipelines.train_loop`, `modality="video"`: the same steps, checkpoints,
+  (`pipelines.training.loop`, `modality="video"`: the same steps, checkpoints,
   resume, NaN stop and rank-0 logging), on clips of `train_frames` frames
   sampled from each video's stored frames, with the paper's recipe by default
   (SGD, lr 1e-3, momentum 0.9, 16 frames);
@@ -19,15 +19,15 @@ across time. This stage
   crops, softmax averaged), and logs accuracy and wall time of each side by
   side (metrics and the table `evaluation/modes.json`); with `eval_shuffled`
   again on frames in random order (the paper's order ablation), with
-  `pipelines.video_eval`;
+  `pipelines.video.eval`;
 * logs the [CLS] token's last-layer attention over the frames of a few videos
   as a picture, the checkpoints, the learning curve and the MLflow model, and
   registers the model when `registry_model` is set.
 
 One MLflow run per execution, resumed by config hash as the pretrain stage is
-(`pipelines.pretrain`): a rerun of a finished config returns it untouched.
+(`pipelines.image.pretrain`): a rerun of a finished config returns it untouched.
 
-    python -m pipelines.video_train --config video_train.yaml [--ray-address ADDR]
+    python -m pipelines.video.train --config video_train.yaml [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from pipelines import tracking
-from pipelines.recipe import TrainRecipe
-from pipelines.stage_config import load_stage_config, stage_main
-from pipelines.video_eval import (
+from pipelines.core import tracking
+from pipelines.training.recipe import TrainRecipe
+from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.video.eval import (
     EVAL_TABLE,
     evaluate_modes,
     evaluation_inputs,
@@ -70,8 +70,8 @@ _POS_EMBED = {"learned": "learned", "fixed": "sincos", "sincos": "sincos", "none
 class VideoTrainConfig(TrainRecipe):
     """Video (VTN) training stage config; defaults follow the VTN paper's training and evaluation."""
 
-    # A video ingest output, or a video features output (`pipelines.video_features`): then the backbone is
-    # frozen and not run, and the temporal encoder trains on the stored features alone (`pipelines.feature_data`).
+    # A video ingest output, or a video features output (`pipelines.video.features`): then the backbone is
+    # frozen and not run, and the temporal encoder trains on the stored features alone (`pipelines.video.feature_data`).
     data: str = Field(description="video ingest or video features output (local dir or s3://bucket/prefix)")
     # The model.
     init: str | None = None  # the backbone's weights: pretrain run id, runs:/, models:/, checkpoint dir, timm/HF file
@@ -131,7 +131,7 @@ class VideoTrainConfig(TrainRecipe):
 
     @model_validator(mode="after")
     def _check(self) -> VideoTrainConfig:
-        from pipelines.starting_weights import init_kind
+        from pipelines.training.starting_weights import init_kind
 
         if init_kind(self.init) == "scratch" and not self.backbone:
             raise ValueError("backbone: required when training from scratch (init is none)")
@@ -205,8 +205,8 @@ def build_initial_model(config: VideoTrainConfig, num_classes: int, tracking_uri
 
     source, run_id, weights = "none", None, None
     if config.init is not None and config.init.strip().lower() not in ("", "none", "scratch"):
-        from pipelines.finetune_trial import at_resolution
-        from pipelines.starting_weights import fetch_starting_weights
+        from pipelines.image.finetune_trial import at_resolution
+        from pipelines.training.starting_weights import fetch_starting_weights
 
         start = fetch_starting_weights(
             config.init, model_name=config.backbone, model_overrides=config.backbone_overrides,
@@ -246,7 +246,7 @@ def build_initial_model(config: VideoTrainConfig, num_classes: int, tracking_uri
 
 def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
     """The part of a config (plus the data's content hash) that decides what is trained and evaluated."""
-    from pipelines.video_data import manifest_digest
+    from pipelines.video.data import manifest_digest
 
     tree = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
     tree["data_content_hash"] = manifest_digest(manifest)
@@ -265,7 +265,7 @@ def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_i
 
 def train_clips(config: VideoTrainConfig, manifest: dict[str, Any]) -> int | None:
     """Training clips per pass over the data: training videos × `clips_per_video` (None when not counted)."""
-    from pipelines.video_data import split_count
+    from pipelines.video.data import split_count
 
     videos = split_count(manifest, "train")
     return videos * config.clips_per_video if videos else None
@@ -274,8 +274,8 @@ def train_clips(config: VideoTrainConfig, manifest: dict[str, Any]) -> int | Non
 def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int, has_val: bool) -> dict[str, Any]:
     """The Ray Datasets of training clips (random) and validation clips (centred, deterministic): of frames,
     or of stored features when `data` is a video features output."""
-    from pipelines.feature_data import feature_clip_dataset, is_features
-    from pipelines.video_data import ClipSpec, clip_dataset, stored_clip_length
+    from pipelines.video.feature_data import feature_clip_dataset, is_features
+    from pipelines.video.data import ClipSpec, clip_dataset, stored_clip_length
 
     def dataset(split: str, spec: ClipSpec, **kw: Any) -> Any:
         if is_features(manifest):
@@ -318,14 +318,14 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     from mlflow.tracking import MlflowClient
 
     import vit
-    from pipelines.finetune import stage_init
-    from pipelines.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
-    from pipelines.feature_data import features_train_config, is_features, read_training_manifest
-    from pipelines.video_data import class_names, manifest_digest, split_count
+    from pipelines.image.finetune import stage_init
+    from pipelines.image.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
+    from pipelines.video.feature_data import features_train_config, is_features, read_training_manifest
+    from pipelines.video.data import class_names, manifest_digest, split_count
 
     manifest = read_training_manifest(config.data, endpoint_url=config.endpoint_url)
     features = is_features(manifest)
-    if features:  # the temporal encoder alone, on the stored features: see `pipelines.feature_data`
+    if features:  # the temporal encoder alone, on the stored features: see `pipelines.video.feature_data`
         config = features_train_config(config, manifest)
     classes = class_names(manifest)
     if split_count(manifest, "train") == 0:
@@ -338,7 +338,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     client = MlflowClient(tracking_uri)
     initial = build_initial_model(config, len(classes), tracking_uri)
     if features:
-        from pipelines.feature_data import check_backbone
+        from pipelines.video.feature_data import check_backbone
 
         check_backbone(initial.model, manifest, config)
     digest = tracking.config_hash(run_identity(config, manifest))
@@ -395,7 +395,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
         model_uri = _log_outputs(client, tracking_uri, run_id, result)
         tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
         if config.registry_model and model_uri:
-            from pipelines.finetune_results import register
+            from pipelines.image.finetune_results import register
 
             lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
             version = register(client, tracking_uri, config.registry_model, model_uri, run_id, lineage,
@@ -416,7 +416,7 @@ def _metrics(values: dict[str, float]) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.video_train --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    """`python -m pipelines.video.train --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
     return stage_main(STAGE, load_config, run_video_train, argv)
 
 

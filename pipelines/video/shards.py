@@ -1,6 +1,6 @@
 """The on-storage format of an ingested video dataset ("vitpipe-video/1"): Parquet shards plus `manifest.json`.
 
-Layout under the output URI (the same as for images, `pipelines.shards`)::
+Layout under the output URI (the same as for images, `pipelines.core.shards`)::
 
     shards/shard-000000.parquet   one row per video, columns below
     manifest.json                 format, frame size, sampling, classes, counts, rejected objects, content hash, config
@@ -14,7 +14,7 @@ Columns (`SCHEMA`, all non-null):
     width          int32         W (= manifest["frame_size"])
     label          int32         class index, see manifest["classes"] (name -> index)
     key            string        the video's key relative to the source (unique in the dataset)
-    split          string        train / val / test: `pipelines.shards.split_of(key, ...)`, or the manifest's
+    split          string        train / val / test: `pipelines.core.shards.split_of(key, ...)`, or the manifest's
     frame_indices  list<int32>   index of each stored frame in the source video (decode order), length T
     fps            float32       the source video's average frame rate (0 when the container gives none)
 
@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipelines.shards import MANIFEST, SHARD_DIR, SPLITS, SUCCESS, read_summary, shard_key, split_of, write_shard
+from pipelines.core.shards import MANIFEST, SHARD_DIR, SPLITS, SUCCESS, read_summary, shard_key, split_of, write_shard
 
 __all__ = [
     "COLUMNS", "FORMAT", "MANIFEST", "SCHEMA", "SHARD_DIR", "SPLITS", "SUCCESS", "VIDEO_FIELDS", "build_table",
@@ -56,7 +56,7 @@ __all__ = [
 
 FORMAT = "vitpipe-video/1"
 
-# What every row says of its video, beside its frames (or, in `pipelines.video_features`, their features).
+# What every row says of its video, beside its frames (or, in `pipelines.video.features`, their features).
 VIDEO_FIELDS = [
     pa.field("label", pa.int32(), nullable=False),
     pa.field("key", pa.string(), nullable=False),
@@ -193,14 +193,14 @@ def content_hash(frame_size: int, sampling: Mapping[str, Any], classes: Mapping[
 
 def read_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video ingest output; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.data import read_manifest as read_any
+    from pipelines.image.data import read_manifest as read_any
 
     return check_manifest(uri, read_any(uri, endpoint_url=endpoint_url))
 
 
 def check_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """`manifest`, read from `uri`, if it is a video ingest output's; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.errors import VitpipeError
+    from pipelines.core.errors import VitpipeError
 
     if manifest.get("format") != FORMAT:
         raise VitpipeError(f"{uri}: not a video dataset (format {manifest.get('format')!r}, expected {FORMAT!r})")

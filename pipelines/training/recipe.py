@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from pipelines.train_step import LoopSettings
+    from pipelines.training.step import LoopSettings
 
 
 class TrainRecipe(BaseModel):
@@ -92,7 +92,7 @@ class TrainRecipe(BaseModel):
 
         No credentials go in: Ray exports the settings to its state API.
         """
-        from pipelines.train_step import LoopSettings  # imports torch: configs load and validate without it
+        from pipelines.training.step import LoopSettings  # imports torch: configs load and validate without it
 
         threads = self.torch_threads
         if threads is None and not self.use_gpu:  # the CPUs the worker reserved, not every core of its node

@@ -2,7 +2,7 @@
 
 The VTN paper's third inference method runs the 2-D backbone over every frame
 once and keeps the features; the temporal encoder then trains and predicts on
-features alone (`pipelines.video_train` with `data` set to this stage's
+features alone (`pipelines.video.train` with `data` set to this stage's
 output). Ray Data reads the video shards, a pool of CPU actors (a callable
 class, so each loads the backbone once) turns each video into `(T, D)`
 features, and the driver writes one feature shard per video shard, atomically.
@@ -11,7 +11,7 @@ Frames are prepared as the video stage's full-video evaluation prepares them:
 the shorter side resized to `frame_size`, the centre square cropped,
 `normalize_video`; the features are `VTN.frame_features` of those frames.
 
-Layout under `output` (the ingest's conventions, `pipelines.shards`)::
+Layout under `output` (the ingest's conventions, `pipelines.core.shards`)::
 
     shards/shard-NNNNNN.parquet   one row per video, named as the video shard it comes from
     manifest.json                 format "vitpipe-video-features/1", backbone, feature dim, frame size,
@@ -24,7 +24,7 @@ stored frame's index in the source video), `fps`. A rerun of a finished output
 with the same data, backbone weights and settings does nothing; an interrupted
 run reuses the feature shards it finished (their footers carry a fingerprint).
 
-    python -m pipelines.video_features --config features.yaml [--set KEY=VALUE]
+    python -m pipelines.video.features --config features.yaml [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipelines import shards, tracking, video_shards
-from pipelines.stage_config import load_stage_config, stage_main
-from pipelines.storage import parse_uri
+from pipelines.core import shards, tracking
+from pipelines.video import shards as video_shards
+from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.storage import parse_uri
 
 logger = logging.getLogger(__name__)
 STAGE = "video_features"
@@ -105,7 +106,7 @@ class VideoFeaturesConfig(BaseModel):
 
     def train_view(self) -> Any:
         """The video_train config whose `build_initial_model` builds this stage's backbone (frozen)."""
-        from pipelines.video_train import VideoTrainConfig
+        from pipelines.video.train import VideoTrainConfig
 
         fields = dict(data=self.data, init=self.init, backbone=self.backbone, backbone_overrides=self.backbone_overrides,
                       frame_size=self.frame_size, freeze_backbone=True, steps=1, endpoint_url=self.endpoint_url,
@@ -152,8 +153,8 @@ def decode_features(row: dict[str, Any], dtype: str = "float32") -> np.ndarray:
 
 def read_features_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video features output; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.data import read_manifest
-    from pipelines.errors import VitpipeError
+    from pipelines.image.data import read_manifest
+    from pipelines.core.errors import VitpipeError
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
     if manifest.get("format") != FORMAT:
@@ -216,7 +217,7 @@ class FrameFeatures:
         """`(T, D)` features of one stored video's uint8 frames `(T, H, W, 3)`."""
         import torch
 
-        from pipelines.video_data import prepare_full_video
+        from pipelines.video.data import prepare_full_video
 
         square = prepare_full_video(frames, self.size)
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
@@ -248,10 +249,10 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     import ray
     import torch
 
-    from pipelines.errors import VitpipeError
-    from pipelines.storage import open_store
-    from pipelines.train_step import resolve_precision
-    from pipelines.video_data import manifest_digest, read_video_manifest, shard_keys
+    from pipelines.core.errors import VitpipeError
+    from pipelines.core.storage import open_store
+    from pipelines.training.step import resolve_precision
+    from pipelines.video.data import manifest_digest, read_video_manifest, shard_keys
 
     start = time.perf_counter()
     source_manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
@@ -305,8 +306,8 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
 def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The frozen VTN whose backbone computes the features (built by video_train's `build_initial_model`),
     and the backbone as the manifest records it."""
-    from pipelines.video_data import class_names
-    from pipelines.video_train import build_initial_model
+    from pipelines.video.data import class_names
+    from pipelines.video.train import build_initial_model
 
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     initial = build_initial_model(config.train_view(), len(class_names(source_manifest)), tracking_uri)
@@ -356,7 +357,7 @@ def _compute(config: VideoFeaturesConfig, initial: Any, bf16: bool, source: Any,
                 summaries[key] = _write(config, out, key, parts.pop(key), fingerprint)
     missing = sorted(set(keys) - set(summaries))
     if missing:
-        from pipelines.errors import VitpipeError
+        from pipelines.core.errors import VitpipeError
 
         raise VitpipeError(f"{source.child_uri(missing[0])}: {got[missing[0]]} of {expected[missing[0]]} videos came back")
     return summaries
@@ -376,7 +377,7 @@ def _write(config: VideoFeaturesConfig, out: Any, key: str, parts: list[pa.Table
 
 def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], frame_size: int, backbone: dict[str, Any],
                        identity: dict[str, Any], fingerprint: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    from pipelines.storage import S3Settings
+    from pipelines.core.storage import S3Settings
 
     counts = dict(source.get("counts") or {})
     counts["videos"] = sum(s["rows"] for s in summaries)
@@ -406,7 +407,7 @@ def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], fram
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.video_features --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
+    """`python -m pipelines.video.features --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
     return stage_main(STAGE, load_config, run_video_features, argv)
 
 

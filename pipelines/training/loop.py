@@ -1,7 +1,7 @@
 """The Ray Train worker loop shared by pretraining and fine-tuning.
 
 `train_loop_per_worker` is what Ray Train runs on every worker: it streams the
-worker's dataset shard, runs `pipelines.train_step.TrainStep`, evaluates,
+worker's dataset shard, runs `pipelines.training.step.TrainStep`, evaluates,
 checkpoints to the run's storage and logs from rank 0.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipelines.train_step import (
+from pipelines.training.step import (
     LoopSettings,
     TrainStep,
     build_loop_optimizer,
@@ -65,11 +65,11 @@ def batch_inputs(batch: dict[str, torch.Tensor], modality: str) -> tuple[Any, to
     """`(model inputs, labels)` of one batch: patches for images, `(clip, frame indices)` for videos,
     `(frame features, frame indices)` for features."""
     if modality == "video":
-        from pipelines.video_data import clip_inputs
+        from pipelines.video.data import clip_inputs
 
         return clip_inputs(batch), batch["label"].long()
     if modality == "features":
-        from pipelines.feature_data import feature_inputs
+        from pipelines.video.feature_data import feature_inputs
 
         return feature_inputs(batch), batch["label"].long()
     return batch["patches"], batch["label"].long()
@@ -96,7 +96,7 @@ def _forward_model(model: nn.Module, modality: str) -> nn.Module:
     """What the step calls: the model, or for "features" the VTN through `feature_data.FromFrameFeatures`."""
     if modality != "features":
         return model
-    from pipelines.feature_data import FromFrameFeatures
+    from pipelines.video.feature_data import FromFrameFeatures
 
     return FromFrameFeatures(model)
 
@@ -125,7 +125,7 @@ class Rank0Log:
         if rank == 0 and s.mlflow_run_id and s.tracking_uri:
             from mlflow.tracking import MlflowClient
 
-            from pipelines.tracking import MetricBuffer
+            from pipelines.core.tracking import MetricBuffer
 
             self.buffer = MetricBuffer(MlflowClient(s.tracking_uri), s.mlflow_run_id)
 
@@ -135,7 +135,7 @@ class Rank0Log:
 
     def tags(self, values: dict[str, str]) -> None:
         if self.buffer is not None:
-            from pipelines.tracking import set_tags
+            from pipelines.core.tracking import set_tags
 
             set_tags(self.buffer.client, self.buffer.run_id, values)
 

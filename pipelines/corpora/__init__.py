@@ -1,0 +1,1 @@
+"""Synthetic and packaged corpora for demos and tests, images and videos."""

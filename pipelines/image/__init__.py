@@ -1,0 +1,1 @@
+"""The image stages: ingest, datasets, pretrain, fine-tune and evaluate."""

@@ -1,0 +1,1 @@
+"""The training step, the Ray Train worker loop, trainer helpers and starting weights: knows no stage."""

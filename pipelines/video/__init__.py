@@ -1,0 +1,1 @@
+"""The video stages: decode, ingest, shards, datasets, features, train and eval."""
