@@ -1,0 +1,65 @@
+"""The stage skeleton: one MLflow run per stage identity, reused when finished, reopened when interrupted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipelines.core.stage_run import stage_run
+
+
+@pytest.fixture
+def client(tmp_path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+
+
+def _config(run_name: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(experiment="skeleton", parent_run_id=None, run_name=run_name)
+
+
+def test_a_new_identity_opens_a_new_run_that_ends_finished(client: MlflowClient) -> None:
+    with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as run:
+        assert (run.finished, run.resumed) == (False, False)
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+    assert run.name == f"pretrain-{run.digest[:12]}"
+
+
+def test_a_finished_identity_is_handed_back_untouched(client: MlflowClient) -> None:
+    with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as first:
+        pass
+    end = client.get_run(first.run_id).info.end_time
+    with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as again:
+        assert again.finished
+    assert again.run_id == first.run_id
+    assert client.get_run(first.run_id).info.end_time == end
+
+
+def test_a_failing_body_ends_the_run_failed_and_a_rerun_reopens_it(client: MlflowClient) -> None:
+    with pytest.raises(RuntimeError), stage_run(client, "finetune", _config(), {"lr": 0.1}) as failed:
+        raise RuntimeError("worker lost")
+    assert client.get_run(failed.run_id).info.status == "FAILED"
+    with stage_run(client, "finetune", _config(), {"lr": 0.1}) as rerun:
+        assert (rerun.run_id, rerun.resumed, rerun.previous) == (failed.run_id, True, "FAILED")
+    assert client.get_run(failed.run_id).info.status == "FINISHED"
+
+
+def test_another_identity_or_stage_is_another_run(client: MlflowClient) -> None:
+    with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as a:
+        pass
+    with stage_run(client, "pretrain", _config(), {"lr": 0.2}) as b:
+        pass
+    with stage_run(client, "evaluate", _config(), {"lr": 0.1}) as c:
+        pass
+    assert len({a.run_id, b.run_id, c.run_id}) == 3
+
+
+def test_the_config_names_the_run_and_the_resolved_config_is_logged_without_credentials(client: MlflowClient) -> None:
+    with stage_run(client, "pretrain", _config("my-run"), {"lr": 0.1}) as run:
+        run.log_config({"lr": 0.1, "aws_secret_access_key": "hunter2"})
+    logged = client.get_run(run.run_id)
+    assert logged.info.run_name == "my-run"
+    assert logged.data.params["lr"] == "0.1"
+    assert "hunter2" not in str(logged.data.params)
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run.run_id)]
