@@ -178,7 +178,7 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
 def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
     """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
     from pipelines.image.finetune_data import iter_rows
-    from pipelines.image.finetune_results import class_names
+    from pipelines.core.shards import class_names
 
     names = class_names(data.manifest)
     for split in {config.query_split, config.support_split}:
@@ -226,7 +226,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.image.finetune_data import DataSpec
     from pipelines.image.finetune_trial import at_resolution
     from pipelines.training.starting_weights import fetch_starting_weights, init_kind

@@ -290,7 +290,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     from mlflow.tracking import MlflowClient
 
     from pipelines.core import storage
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.training.starting_weights import fetch_starting_weights, init_kind
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
@@ -349,7 +349,7 @@ def _sweep_context(config: FinetuneConfig, data: Any, in_memory: bool, model: An
                    sweep: str, batch_size: int, per_worker: dict[str, float], tracking_uri: str, run_id: str,
                    client: Any) -> Any:
     """What every trial shares: data, staged weights, the worker settings that do not vary, where to log."""
-    from pipelines.image.finetune_results import class_names
+    from pipelines.core.shards import class_names
     from pipelines.image.finetune_trial import SweepContext
     from pipelines.training.starting_weights import ARCH_FIELDS
 

@@ -290,7 +290,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     import ray
     from mlflow.tracking import MlflowClient
 
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     overrides = model_overrides(config, manifest)

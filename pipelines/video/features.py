@@ -153,7 +153,7 @@ def decode_features(row: dict[str, Any], dtype: str = "float32") -> np.ndarray:
 
 def read_features_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video features output; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.core.errors import VitpipeError
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
@@ -306,7 +306,7 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
 def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The frozen VTN whose backbone computes the features (built by video_train's `build_initial_model`),
     and the backbone as the manifest records it."""
-    from pipelines.video.data import class_names
+    from pipelines.core.shards import class_names
     from pipelines.video.train import build_initial_model
 
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)

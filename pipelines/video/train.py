@@ -321,7 +321,8 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     from pipelines.image.finetune import stage_init
     from pipelines.image.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
     from pipelines.video.feature_data import features_train_config, is_features, read_training_manifest
-    from pipelines.video.data import class_names, manifest_digest, split_count
+    from pipelines.core.shards import class_names
+    from pipelines.video.data import manifest_digest, split_count
 
     manifest = read_training_manifest(config.data, endpoint_url=config.endpoint_url)
     features = is_features(manifest)
