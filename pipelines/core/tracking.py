@@ -20,11 +20,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
+
+from pipelines.core.uris import strip_userinfo
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -51,17 +52,6 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         return prefix + os.path.abspath(uri[len(prefix):])
     return uri
-
-
-def strip_userinfo(uri: str) -> str:
-    """Drop `user:password@` from a URI so it can be logged."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def redact(value: Any) -> Any:

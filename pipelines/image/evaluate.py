@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pipelines.core import tracking
 from pipelines.core.stage_config import load_stage_config, stage_main
 from pipelines.core.errors import VitpipeError
+from pipelines.core.uris import strip_userinfo
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -250,7 +251,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id, resolution=size)
     digest = tracking.config_hash(identity)
     tags = {
-        "vitpipe.data_uri": tracking.strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
+        "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),
     }
     run_id, previous = tracking.start_stage_run(client, config.experiment, STAGE, digest,

@@ -47,6 +47,8 @@ from pipelines.core import shards, tracking
 from pipelines.video import shards as video_shards
 from pipelines.core.stage_config import load_stage_config, stage_main
 from pipelines.core.storage import parse_uri
+from pipelines.core.cluster import connect
+from pipelines.core.uris import strip_userinfo
 
 logger = logging.getLogger(__name__)
 STAGE = "video_features"
@@ -246,7 +248,6 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     not a finished video ingest output or the output cannot be written, and a
     one-line ValueError naming the field for a backbone that cannot be built.
     """
-    import ray
     import torch
 
     from pipelines.core.errors import VitpipeError
@@ -283,15 +284,14 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
         else:
             todo.append(key)
     if todo:
-        if not ray.is_initialized():
-            ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+        connect(ray_address)
         summaries.update(_compute(config, initial, bf16, source, out, todo, fingerprint))
     ordered = [summaries[k] for k in keys]
     shards.remove_stale_shards(out, set(keys))
     manifest = _assemble_manifest(config, source_manifest, initial.frame_size, backbone, identity, fingerprint, ordered)
     listed = (source_manifest.get("counts") or {}).get("videos")
     if listed is not None and listed != manifest["counts"]["videos"]:
-        raise VitpipeError(f"{tracking.strip_userinfo(config.data)}: the manifest lists {listed} videos, the shards hold "
+        raise VitpipeError(f"{strip_userinfo(config.data)}: the manifest lists {listed} videos, the shards hold "
                            f"{manifest['counts']['videos']}")
     out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
@@ -387,7 +387,7 @@ def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], fram
     public["endpoint_url"] = S3Settings.resolve(config.endpoint_url).public()["endpoint_url"]
     return {
         "format": FORMAT,
-        "source": {"uri": tracking.strip_userinfo(config.data), "format": source.get("format"),
+        "source": {"uri": strip_userinfo(config.data), "format": source.get("format"),
                    "content_hash": identity["data"]},
         "backbone": backbone,
         "feature_dim": backbone["feature_dim"],
