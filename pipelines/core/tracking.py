@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -195,8 +196,6 @@ class MetricBuffer:
 
     def add(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Queue `metrics` for `step`."""
-        import time
-
         ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self._pending.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
 
@@ -288,7 +287,7 @@ def _tracking_uri(uri: str | None) -> Iterator[None]:
 
 def load_model_from_run(uri: str, tracking_uri: str | None = None) -> Any:
     """Load a ViT from a logged checkpoint directory, e.g. `runs:/<run_id>/checkpoints/final`."""
-    import vit
+    import vit  # deferred: vit loads torch, and spec (the CLI's start-up) imports this module
 
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp, tracking_uri=tracking_uri)
