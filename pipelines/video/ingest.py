@@ -22,16 +22,8 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from pipelines.core import shards
-from pipelines.core.ingest import (
-    IngestKind,
-    IngestResult,
-    ShardedIngestConfig,
-    fetch_planned,
-    manifest_summary,
-    public_config,
-    run_sharded_ingest,
-    shard_counts,
-)
+from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, fetch_planned, manifest_summary,
+                                   public_config, run_sharded_ingest, shard_counts)
 from pipelines.core.storage import S3Settings, Store
 from pipelines.video import shards as video_shards
 from pipelines.video.decode import RejectedVideo, clip_indices, decode_video, full_indices
