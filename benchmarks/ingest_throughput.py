@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -56,11 +57,10 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines import shards  # noqa: E402
-from pipelines.core import plan as ingest_plan
-from pipelines.image.patches import decode_image, patchify  # noqa: E402
-from pipelines.image.ingest import IngestConfig, process_shard, run_ingest  # noqa: E402
+from pipelines.core import plan as ingest_plan, shards  # noqa: E402
 from pipelines.core.storage import S3Settings, open_store  # noqa: E402
+from pipelines.image.ingest import IngestConfig, process_shard, run_ingest  # noqa: E402
+from pipelines.image.patches import decode_image, patchify  # noqa: E402
 
 CLASSES = 10
 
@@ -177,7 +177,7 @@ def start_s3_server() -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=5000)
     parser.add_argument("--min-side", type=int, default=256)
@@ -191,24 +191,14 @@ def main() -> None:
     parser.add_argument("--s3-rounds", type=int, default=1, help="alternating rounds of the S3 loop and stage")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    import boto3
-    import ray
 
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    root, keys = make_corpus(args.workdir, args.images, args.min_side, args.max_side, args.cpus)
-    common = dict(image_size=args.image_size, patch_size=args.patch_size, shard_size=args.shard_size, val_fraction=0.1)
-    local_config = IngestConfig(source=str(root), output=str(args.workdir / "stage-out"), **common)
-
-    report: dict[str, object] = {"images": len(keys), "cpus": args.cpus, "sides": [args.min_side, args.max_side],
-                                 "image_size": args.image_size, "patch_size": args.patch_size,
-                                 "shard_size": args.shard_size, "rounds": args.rounds}
-
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+def warm_up(args: argparse.Namespace, root: Path, keys: list[str], common: dict) -> Path:
+    """Run the stage on a tiny corpus, so the measured runs find the worker processes started; returns that corpus."""
     warm = args.workdir / "warm"
     shutil.rmtree(warm, ignore_errors=True)
-    for c in range(2):  # a tiny corpus whose run starts the worker processes
+    for c in range(2):
         (warm / f"c{c}").mkdir(parents=True)
         for k in keys[c :: CLASSES][:16]:
             shutil.copy(root / k, warm / f"c{c}" / Path(k).name)
@@ -216,11 +206,17 @@ def main() -> None:
     # before the measured runs: a cluster in use has its workers up.
     warm_common = {**common, "shard_size": 2}
     stage(IngestConfig(source=str(warm), output=str(args.workdir / "warm-out"), **warm_common), 32)
+    return warm
 
-    # Alternate the three measurements round by round, so a drifting machine favours none of them.
+
+def local_rounds(args: argparse.Namespace, root: Path, keys: list[str], config: IngestConfig, warm: Path) -> dict[str, list[float]]:
+    """Images/s of every local measurement, round by round."""
+    import ray
+
+    # Alternate the measurements round by round, so a drifting machine favours none of them.
     rates: dict[str, list[float]] = {"decode_resize_per_core": [], "loop": [], "stage": [], "ray_tasks": [],
                                      "process_pool": []}
-    other_config = local_config.model_copy(update={"output": str(args.workdir / "other-out")})
+    other_config = config.model_copy(update={"output": str(args.workdir / "other-out")})
     ray_shard = ray.remote(num_cpus=1)(_shard)
 
     def ray_tasks(plans: list[dict], config: IngestConfig) -> list[int]:
@@ -234,45 +230,77 @@ def main() -> None:
         without_ray_data(process_pool, other_config.model_copy(update={"source": str(warm)}), 32)  # start the processes
         for _ in range(args.rounds):
             rates["decode_resize_per_core"].append(decode_rate(root, keys, args.image_size))
-            rates["loop"].append(plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", local_config))
-            rates["stage"].append(stage(local_config, len(keys)))
+            rates["loop"].append(plain_loop(lambda k: (root / k).read_bytes(), keys, args.workdir / "loop-out", config))
+            rates["stage"].append(stage(config, len(keys)))
             rates["ray_tasks"].append(without_ray_data(ray_tasks, other_config, len(keys)))
             rates["process_pool"].append(without_ray_data(process_pool, other_config, len(keys)))
+    return rates
+
+
+def add_medians(report: dict[str, object], rates: dict[str, list[float]]) -> None:
+    """Each measurement's median, and its rounds, into `report`."""
     for name, values in rates.items():
         report[name] = statistics.median(values)
         report[f"{name}_rounds"] = [round(v, 1) for v in values]
-    report["stage_per_core"] = report["stage"] / args.cpus
+
+
+def add_ratios(report: dict[str, Any], cpus: int) -> None:
+    """The local measurements against each other."""
+    report["stage_per_core"] = report["stage"] / cpus
     report["ratio"] = report["stage"] / report["loop"]
     report["per_core_vs_decode"] = report["stage_per_core"] / report["decode_resize_per_core"]
     report["stage_vs_ray_tasks"] = report["stage"] / report["ray_tasks"]
     report["ray_tasks_vs_process_pool"] = report["ray_tasks"] / report["process_pool"]
     report["stage_vs_process_pool"] = report["stage"] / report["process_pool"]
-    report["process_pool_per_core_vs_decode"] = report["process_pool"] / args.cpus / report["decode_resize_per_core"]
+    report["process_pool_per_core_vs_decode"] = report["process_pool"] / cpus / report["decode_resize_per_core"]
 
+
+def s3_rounds(args: argparse.Namespace, root: Path, keys: list[str], common: dict, local_config: IngestConfig) -> dict[str, list[float]]:
+    """Images/s of the loop and the stage reading the corpus from a local S3 server, round by round."""
+    import boto3
+
+    proc, url = start_s3_server()
+    try:
+        creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+        os.environ.update(creds)  # this process only; the stage resolves them from the AWS chain
+        client = boto3.client("s3", endpoint_url=url)
+        client.create_bucket(Bucket="bench")
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda k: client.put_object(Bucket="bench", Key=f"corpus/{k}", Body=(root / k).read_bytes()), keys))
+        s3_config = IngestConfig(source="s3://bench/corpus", output=str(args.workdir / "stage-out"), endpoint_url=url, **common)
+        rates: dict[str, list[float]] = {"loop_s3": [], "stage_s3": []}
+        for _ in range(args.s3_rounds):
+            rates["loop_s3"].append(plain_loop(
+                lambda k: client.get_object(Bucket="bench", Key=f"corpus/{k}")["Body"].read(),
+                keys, args.workdir / "loop-out", local_config,
+            ))
+            rates["stage_s3"].append(stage(s3_config, len(keys)))
+        return rates
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> None:
+    import ray
+
+    args = parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    root, keys = make_corpus(args.workdir, args.images, args.min_side, args.max_side, args.cpus)
+    common = dict(image_size=args.image_size, patch_size=args.patch_size, shard_size=args.shard_size, val_fraction=0.1)
+    local_config = IngestConfig(source=str(root), output=str(args.workdir / "stage-out"), **common)
+
+    report: dict[str, Any] = {"images": len(keys), "cpus": args.cpus, "sides": [args.min_side, args.max_side],
+                              "image_size": args.image_size, "patch_size": args.patch_size,
+                              "shard_size": args.shard_size, "rounds": args.rounds}
+
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+    warm = warm_up(args, root, keys, common)
+    add_medians(report, local_rounds(args, root, keys, local_config, warm))
+    add_ratios(report, args.cpus)
     if not args.skip_s3:
-        proc, url = start_s3_server()
-        try:
-            creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
-            os.environ.update(creds)  # this process only; the stage resolves them from the AWS chain
-            client = boto3.client("s3", endpoint_url=url)
-            client.create_bucket(Bucket="bench")
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(lambda k: client.put_object(Bucket="bench", Key=f"corpus/{k}", Body=(root / k).read_bytes()), keys))
-            s3_config = IngestConfig(source="s3://bench/corpus", output=str(args.workdir / "stage-out"), endpoint_url=url, **common)
-            s3_rates: dict[str, list[float]] = {"loop_s3": [], "stage_s3": []}
-            for _ in range(args.s3_rounds):
-                s3_rates["loop_s3"].append(plain_loop(
-                    lambda k: client.get_object(Bucket="bench", Key=f"corpus/{k}")["Body"].read(),
-                    keys, args.workdir / "loop-out", local_config,
-                ))
-                s3_rates["stage_s3"].append(stage(s3_config, len(keys)))
-            for name, values in s3_rates.items():
-                report[name] = statistics.median(values)
-                report[f"{name}_rounds"] = [round(v, 1) for v in values]
-            report["ratio_s3"] = report["stage_s3"] / report["loop_s3"]
-        finally:
-            proc.terminate()
-            proc.wait()
+        add_medians(report, s3_rounds(args, root, keys, common, local_config))
+        report["ratio_s3"] = report["stage_s3"] / report["loop_s3"]
     ray.shutdown()
 
     report = {k: round(v, 3) if isinstance(v, float) else v for k, v in report.items()}

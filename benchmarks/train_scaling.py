@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         data = args.data or make_data(work, args)
-        from pipelines.image.data import read_manifest
+        from pipelines.core.shards import read_manifest
 
         manifest = read_manifest(data)
         total = args.warmup_steps + args.steps

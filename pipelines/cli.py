@@ -18,6 +18,7 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
+from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
 
 
@@ -77,10 +78,8 @@ app.add_typer(corpus_app, name="corpus")
 
 def _init_ray(address: Optional[str]) -> None:
     """Connect to `address` now; without one, Ray starts (or joins RAY_ADDRESS) only when work begins."""
-    import ray
-
-    if address and not ray.is_initialized():
-        ray.init(address=address)
+    if address:
+        connect(address)
 
 
 def _log_progress() -> None:

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from pipelines.core.cluster import connect
 from pipelines.runner import PipelineResult, run_pipeline
 from pipelines.spec import PipelineSpec, load_spec
 
@@ -95,10 +96,7 @@ def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[s
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(root, list(overrides), video=video)
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    connect()
     _write_corpora(root, video=video)
     result = run_pipeline(spec)
     return result, video_comparison(result) if video else comparison(result)

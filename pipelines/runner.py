@@ -13,7 +13,6 @@ pipeline starts where this one stopped.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from typing import Any
 
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
+from pipelines.core.cluster import connect
+from pipelines.core.uris import strip_userinfo
 from pipelines.spec import INGEST_KINDS, PipelineSpec
 
 logger = logging.getLogger("vitpipe.runner")
@@ -112,7 +113,7 @@ def _run_ingest_stage(kind: str, config: Any, client: Any, experiment: str, pare
     digest = tracking.config_hash({**identity, "forced": forced} if forced else identity)
     run_id, previous = tracking.start_stage_run(
         client, experiment, kind, digest, run_name=f"{kind}-{digest[:12]}", parent_run_id=parent_run_id,
-        tags={"vitpipe.data_uri": tracking.strip_userinfo(config.output),
+        tags={"vitpipe.data_uri": strip_userinfo(config.output),
               "vitpipe.manifest_hash": str(manifest.get("content_hash", ""))},
     )
     if previous != "FINISHED":
@@ -157,14 +158,12 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     an ingest rewrites its shards, a tracked stage starts a new run under a new
     name (so its dependents, whose inputs changed, run again too).
     """
-    import ray
     from mlflow.tracking import MlflowClient
 
     forced_stages = check_forced(spec, force)
     stamp = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's forced runs
 
-    if not ray.is_initialized():
-        ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+    connect(ray_address)
     tracking_uri = spec.resolved_tracking_uri()
     client = MlflowClient(tracking_uri)
     resolved = {name: spec.resolved_config(name) for name in spec.order()}

@@ -13,7 +13,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.corpora.images import FILL_RANGE, class_names, class_system, export_digits, fill_fraction, render, synth_corpus
+from pipelines.corpora.images import FILL_RANGE, class_system, export_digits, fill_fraction, fractal_class_names, render, synth_corpus
 from pipelines.image.ingest import IngestConfig, run_ingest
 
 
@@ -57,7 +57,7 @@ def synth_runs(ray_cluster, tmp_path_factory):
 def test_synth_writes_jpegs_in_class_folders(synth_runs):
     root, runs = synth_runs
     files = tree(root / "a")
-    assert runs["a"].images == 22 and runs["a"].classes == class_names(4)
+    assert runs["a"].images == 22 and runs["a"].classes == fractal_class_names(4)
     per_class = Counter(key.split("/")[0] for key in files)
     assert per_class == {"fractal-0000": 6, "fractal-0001": 6, "fractal-0002": 5, "fractal-0003": 5}
     image = Image.open(io.BytesIO(files["fractal-0001/000003.jpg"]))

@@ -1,4 +1,5 @@
-"""pipelines.image.data: the manifest, Ray Datasets of patch batches with CPU augmentation, splits in memory."""
+"""pipelines.image.data: Ray Datasets of patch batches with CPU augmentation, splits in memory;
+and the manifest reader they use (`pipelines.core.shards.read_manifest`)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,15 @@ import pytest
 import torch
 
 from pipelines.core import shards
+from pipelines.core.datasets import PATCH_MEAN, PATCH_STD
+from pipelines.core.shards import read_manifest
 from pipelines.image.data import (
-    PATCH_MEAN,
-    PATCH_STD,
     AugmentConfig,
     augment_patches,
     load_split,
     normalize,
     patch_dataset,
     random_resized_crop,
-    read_manifest,
 )
 from pipelines.core.errors import VitpipeError
 from pipelines.image.patches import patchify_batch

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines.image.data import read_manifest
+from pipelines.core.shards import read_manifest
 from pipelines.core.errors import VitpipeError
 from pipelines.image.finetune import FinetuneConfig, FinetuneResult, run_finetune
 from pipelines.training.starting_weights import fetch_starting_weights

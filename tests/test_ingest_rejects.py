@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from pipelines.core import shards
-from pipelines.image.data import read_manifest
+from pipelines.core.shards import read_manifest
 from pipelines.core.errors import IngestError, StorageError, VitpipeError
 from pipelines.image.ingest import IngestConfig, run_ingest
 

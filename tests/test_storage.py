@@ -1,4 +1,5 @@
-"""pipelines.core.storage: URIs, listing, atomic writes, credentials and one-line errors (real S3 server)."""
+"""pipelines.core.storage: URIs, listing, atomic writes, credentials and one-line errors (real S3 server);
+and the URI scrubber every log line and error message goes through (`pipelines.core.uris`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from pipelines.core.errors import StorageError
 from pipelines.core.storage import Credentials, LocalStore, S3Settings, open_store, parse_uri, ray_storage
+from pipelines.core.uris import strip_userinfo
 
 KEYS = ["a.txt", "a/b.jpg", "a-b/c.jpg", "b/x/y.png", "b/z.png", "c"]
 
@@ -48,6 +50,35 @@ def _put_local(root, keys):
         path = root.joinpath(*key.split("/"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(key.encode())
+
+
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        # what the tracking scrubber handled: an MLflow server URL with a password
+        ("http://alice:hunter2@mlflow.example:5000/x", "http://mlflow.example:5000/x"),
+        # what the S3 scrubber handled: keys in an s3:// URI, and an endpoint with credentials
+        ("s3://AKIA:secret@bucket/x", "s3://bucket/x"),
+        ("http://minio:minio123@127.0.0.1:9000", "http://127.0.0.1:9000"),
+        ("http://user@host/p", "http://host/p"),
+        # the host as written: case, IPv6 brackets, a port that is not a number, an unclosed bracket
+        ("http://u:p@MLflow.Example:5000/", "http://MLflow.Example:5000/"),
+        ("http://u:p@[::1]:5000/x", "http://[::1]:5000/x"),
+        ("http://u:p@host:port/x", "http://host:port/x"),
+        ("http://u:p@[::1/x", "http://[::1/x"),
+        # an unquoted @ in the password; an @ after the authority is not userinfo
+        ("http://u:p@ss@host/x?q=a@b#c@d", "http://host/x?q=a@b#c@d"),
+        ("//u:p@host/x", "//host/x"),
+        # nothing to strip
+        ("s3://bucket/runs", "s3://bucket/runs"),
+        ("http://host/a@b", "http://host/a@b"),
+        ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
+        ("runs:/abc/model", "runs:/abc/model"),
+        ("/data/a@b/x", "/data/a@b/x"),
+    ],
+)
+def test_strip_userinfo_drops_credentials_and_keeps_the_rest_as_written(uri, shown):
+    assert strip_userinfo(uri) == shown
 
 
 def test_local_listing_is_sorted_like_s3_and_skips_hidden_names(tmp_path):

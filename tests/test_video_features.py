@@ -20,7 +20,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines.core import tracking
+from pipelines.core import shards, tracking
 from pipelines.video import shards as video_shards
 from pipelines.core.errors import VitpipeError
 from pipelines.video.feature_data import MULTIVIEW_NOTE, _feature_clip_batch, read_training_manifest
@@ -96,7 +96,7 @@ def test_stored_features_equal_vtn_frame_features_of_the_prepared_frames(extract
     model = build_initial_model(config.train_view(), len(CLASSES), backbone_run["tracking_uri"]).model.eval()
     stored = {row["key"]: decode_features(row) for row in stored_rows(result.output)}
     checked = 0
-    for split in video_shards.SPLITS:
+    for split in shards.SPLITS:
         for video in iter_videos(video_data, split):
             _, square = frame_views(video.frames, manifest["frame_size"])  # what full-video evaluation sees
             with torch.no_grad():
@@ -113,7 +113,7 @@ def test_every_source_video_appears_exactly_once_with_its_label_key_split_and_fr
     keys = [row["key"] for row in rows]
     assert len(keys) == len(set(keys)) == 48
     by_key = {row["key"]: row for row in rows}
-    for split in video_shards.SPLITS:
+    for split in shards.SPLITS:
         for video in iter_videos(video_data, split):
             row = by_key.pop(video.key)
             assert (row["label"], row["split"], row["num_frames"]) == (video.label, split, len(video.frames))
@@ -131,7 +131,7 @@ def test_manifest_names_its_format_backbone_dim_frame_size_and_the_sources_class
     assert manifest["backbone"]["run_id"] == backbone_run["run_id"]
     assert manifest["feature_dim"] == 32 and manifest["frame_size"] == 32  # the tiny ViT's width and image size
     assert manifest["classes"] == source["classes"]
-    assert {s: manifest["counts"][s] for s in video_shards.SPLITS} == {s: source["counts"][s] for s in video_shards.SPLITS}
+    assert {s: manifest["counts"][s] for s in shards.SPLITS} == {s: source["counts"][s] for s in shards.SPLITS}
     assert [s["path"] for s in manifest["shards"]] == [s["path"] for s in source["shards"]]
     assert json.loads(Path(result.output, "_SUCCESS").read_text())["fingerprint"] == manifest["fingerprint"]
 
@@ -155,7 +155,7 @@ def test_an_interrupted_run_reuses_the_feature_shards_it_finished(extracted):
 def source_and_feature_tables(video_data: str, output: str):
     import pyarrow.parquet as pq
 
-    key = video_shards.shard_key(0)
+    key = shards.shard_key(0)
     return pq.read_table(Path(video_data, key)), pq.read_table(Path(output, key))
 
 

@@ -24,6 +24,7 @@ from pipelines.core import shards
 from pipelines.video import shards as video_shards
 from pipelines.core.errors import IngestError, VitpipeError
 from pipelines.corpora.videos import class_specs, make_video, synth_video_corpus
+from pipelines.video.data import read_video_manifest
 from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
 from pipelines.video.decode import clip_indices, full_indices
 from tests.process_output import result_json
@@ -246,9 +247,9 @@ def test_split_column_is_the_stable_hash_of_the_key(ingested):
 
 
 def test_read_manifest_accepts_a_finished_video_output_only(ingested, tmp_path):
-    assert video_shards.read_manifest(ingested.output) == ingested.manifest
+    assert read_video_manifest(ingested.output) == ingested.manifest
     with pytest.raises(VitpipeError, match="not a finished ingest output"):
-        video_shards.read_manifest(str(tmp_path))
+        read_video_manifest(str(tmp_path))
 
 
 def test_clips_sampling_stores_the_clips_of_a_video_back_to_back(ray_cluster, corpus, tmp_path):

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipelines.core import shards
 from pipelines.video import shards as video_shards
 
 CLASSES = {"forward": 0, "backward": 1}
@@ -76,18 +77,18 @@ def write_video_shards(out: str | Path, *, videos: int = 48, size: int = 32, fra
         part = rows[start:start + per_shard]
         table = video_shards.build_table(*([row[name] for row in part]
                                            for name in ("frames", "label", "key", "split", "frame_indices", "fps")))
-        key = video_shards.shard_key(shard)
+        key = shards.shard_key(shard)
         pq.write_table(table, out / key)
         listed.append({"path": key, "rows": len(part), "split": _count(row["split"] for row in part)})
     counts = _count(row["split"] for row in rows)
     manifest = {
         "format": video_shards.FORMAT, "frame_size": size, "height": size, "width": size, "channels": 3,
         "sampling": {"mode": "full", "max_frames": frames[1]}, "classes": CLASSES, "num_classes": len(CLASSES),
-        "counts": {**{name: counts.get(name, 0) for name in video_shards.SPLITS}, "videos": videos, "rejected": 0},
+        "counts": {**{name: counts.get(name, 0) for name in shards.SPLITS}, "videos": videos, "rejected": 0},
         "rejected": [], "shards": listed,
     }
-    (out / video_shards.MANIFEST).write_text(json.dumps(manifest, indent=2))
-    (out / video_shards.SUCCESS).write_text("{}")
+    (out / shards.MANIFEST).write_text(json.dumps(manifest, indent=2))
+    (out / shards.SUCCESS).write_text("{}")
     return str(out)
 
 

@@ -58,5 +58,5 @@ def find_vitpipe_error(exc: BaseException) -> VitpipeError | None:
     return None
 
 
-_TRACEBACK_LINE = re.compile(r"^pipelines\.errors\.(\w+): (.+)$", re.MULTILINE)
+_TRACEBACK_LINE = re.compile(r"^pipelines\.core\.errors\.(\w+): (.+)$", re.MULTILINE)
 _CLASSES: dict[str, type[VitpipeError]] = {c.__name__: c for c in (VitpipeError, StorageError, IngestError)}

@@ -12,19 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pipelines.core.errors import StorageError
+from pipelines.core.uris import strip_userinfo
 
 DEFAULT_REGION = "us-east-1"
-
-
-def strip_userinfo(url: str) -> str:
-    """`url` without any `user:password@` part."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 class Credentials:

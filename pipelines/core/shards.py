@@ -25,8 +25,8 @@ import blake3
 import numpy as np
 import pyarrow as pa
 
-from pipelines.core.errors import StorageError
-from pipelines.core.storage import Store, parse_uri
+from pipelines.core.errors import VitpipeError
+from pipelines.core.storage import Store, open_store, parse_uri
 
 FORMAT = "vitpipe-patches/1"
 SHARD_DIR = "shards"
@@ -169,6 +169,30 @@ def check_output(out: Store) -> None:
         out.check()
 
 
+def read_manifest(output: str | Store, *, endpoint_url: str | None = None) -> dict[str, Any]:
+    """The parsed `manifest.json` of a finished sharded output (a URI, or a `Store` already open on it).
+
+    Every reader of a manifest comes here; format checks (video, features) are the callers'.
+    Raises `VitpipeError` (one line naming the URI) when there is no `_SUCCESS` marker or the
+    manifest is not JSON, and `StorageError` when the output cannot be read.
+    """
+    store = open_store(output, endpoint_url=endpoint_url) if isinstance(output, str) else output
+    if not store.exists(SUCCESS):
+        raise VitpipeError(f"{store.uri}: not a finished ingest output (no {SUCCESS} marker)")
+    try:
+        return json.loads(store.read(MANIFEST))
+    except ValueError as exc:
+        raise VitpipeError(f"{store.child_uri(MANIFEST)}: not valid JSON ({exc})") from None
+
+
+def class_names(manifest: Mapping[str, Any]) -> list[str]:
+    """A manifest's class names in label order (`classes` is a name → label map, or a list of names)."""
+    classes = manifest["classes"]
+    if isinstance(classes, Mapping):
+        return [name for name, _ in sorted(classes.items(), key=lambda item: int(item[1]))]
+    return [str(c) for c in classes]
+
+
 def finished_manifest(out: Store, fingerprint: str) -> dict[str, Any] | None:
     """The manifest of a finished output whose `_SUCCESS` marker holds `fingerprint`, else None."""
     if not out.exists(SUCCESS):
@@ -177,8 +201,8 @@ def finished_manifest(out: Store, fingerprint: str) -> dict[str, Any] | None:
         marker = json.loads(out.read(SUCCESS))
         if marker.get("fingerprint") != fingerprint:
             return None
-        return json.loads(out.read(MANIFEST))
-    except (ValueError, StorageError):
+        return read_manifest(out)
+    except (ValueError, VitpipeError):
         return None  # a damaged marker or manifest: run again
 
 

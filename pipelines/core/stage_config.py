@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipelines.core.errors import VitpipeError
@@ -40,8 +41,6 @@ def load_stage_config(
     if isinstance(source, dict):
         data = dict(source)
     else:
-        import yaml
-
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"{stage} config {path} does not exist")

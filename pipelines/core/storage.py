@@ -19,7 +19,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pipelines.core.errors import StorageError
-from pipelines.core.s3 import Credentials, S3Settings, redact, storage_error, strip_userinfo
+from pipelines.core.s3 import Credentials, S3Settings, redact, storage_error
+from pipelines.core.uris import strip_userinfo
 
 __all__ = [
     "Credentials", "LocalStore", "Location", "S3Settings", "S3Store", "Store",

@@ -16,15 +16,17 @@ import os
 import platform
 import re
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
+
+from pipelines.core.uris import strip_userinfo
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -51,17 +53,6 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         return prefix + os.path.abspath(uri[len(prefix):])
     return uri
-
-
-def strip_userinfo(uri: str) -> str:
-    """Drop `user:password@` from a URI so it can be logged."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def redact(value: Any) -> Any:
@@ -205,8 +196,6 @@ class MetricBuffer:
 
     def add(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Queue `metrics` for `step`."""
-        import time
-
         ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self._pending.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
 
@@ -298,7 +287,7 @@ def _tracking_uri(uri: str | None) -> Iterator[None]:
 
 def load_model_from_run(uri: str, tracking_uri: str | None = None) -> Any:
     """Load a ViT from a logged checkpoint directory, e.g. `runs:/<run_id>/checkpoints/final`."""
-    import vit
+    import vit  # deferred: vit loads torch, and spec (the CLI's start-up) imports this module
 
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp, tracking_uri=tracking_uri)

@@ -125,7 +125,7 @@ def render(system: IFSystem, size: int, rng: np.random.Generator) -> np.ndarray:
     return np.ascontiguousarray(img)
 
 
-def _open_dest(dest: str, endpoint_url: str | None) -> Store:
+def open_dest(dest: str, endpoint_url: str | None) -> Store:
     """The destination store; an S3 bucket must exist and accept our credentials."""
     store = open_store(dest, endpoint_url=endpoint_url)
     if isinstance(store, S3Store):
@@ -143,13 +143,13 @@ class CorpusResult:
     seconds: float
 
 
-def class_names(classes: int, prefix: str = "fractal") -> list[str]:
+def fractal_class_names(classes: int, prefix: str = "fractal") -> list[str]:
     """Zero-padded names, so listing order equals numeric order."""
     width = max(4, len(str(classes - 1)))
     return [f"{prefix}-{c:0{width}d}" for c in range(classes)]
 
 
-def _assignments(images: int, classes: int) -> Iterator[tuple[int, int]]:
+def assignments(images: int, classes: int) -> Iterator[tuple[int, int]]:
     """(class, index within class) for every image: classes as even as possible."""
     for c in range(classes):
         for i in range(images // classes + (1 if c < images % classes else 0)):
@@ -186,8 +186,8 @@ def synth_corpus(
     if not 8 <= size <= 4096:
         raise ValueError(f"size must be within 8..4096, got {size}")
     start = time.perf_counter()
-    store = _open_dest(dest, endpoint_url)
-    names = class_names(classes)
+    store = open_dest(dest, endpoint_url)
+    names = fractal_class_names(classes)
     task = ray.remote(num_cpus=1)(_render_chunk)
     pending: list[ray.ObjectRef] = []
     done = 0
@@ -201,7 +201,7 @@ def synth_corpus(
         systems = {c: cache[c] for c in {c for c, _ in items}}
         pending.append(task.remote(store, seed, size, quality, names, systems, items))
 
-    for item in _assignments(images, classes):
+    for item in assignments(images, classes):
         chunk.append(item)
         if len(chunk) == CHUNK:
             submit(chunk)
@@ -231,7 +231,7 @@ def export_digits(
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be within (0, 1), got {test_fraction}")
     start = time.perf_counter()
-    store = _open_dest(dest, endpoint_url)
+    store = open_dest(dest, endpoint_url)
     digits = load_digits()
     pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
     labels = digits.target.astype(int)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipelines.corpora.images import CorpusResult, _assignments, _open_dest
+from pipelines.corpora.images import CorpusResult, assignments, open_dest
 from pipelines.core.storage import Store
 
 MAX_CLASSES = 15
@@ -214,12 +214,12 @@ def synth_video_corpus(
     if not 4 <= frames <= 10_000:
         raise ValueError(f"frames must be within 4..10000, got {frames}")
     start = time.perf_counter()
-    store = _open_dest(dest, endpoint_url)
+    store = open_dest(dest, endpoint_url)
     task = ray.remote(num_cpus=1)(_render_chunk)
     pending: list[ray.ObjectRef] = []
     done = 0
     chunk: list[tuple[int, int]] = []
-    for item in _assignments(videos, classes):
+    for item in assignments(videos, classes):
         chunk.append(item)
         if len(chunk) == CHUNK:
             pending.append(task.remote(store, seed, size, frames, specs, chunk))

@@ -1,10 +1,10 @@
-"""Reading an ingested dataset: the manifest, a Ray Dataset of patch batches, small splits in memory.
+"""Reading an ingested image dataset: a Ray Dataset of patch batches, small splits in memory.
 
 `patch_dataset` is what the training stages stream: Parquet shards read by Ray
 Data, decoded on CPU workers into `patches` float32 `(B, N, P*P*3)` normalised
-with `PATCH_MEAN` / `PATCH_STD`, and `label` int64. With `augment=True` each
-image gets a random-resized crop and a horizontal flip, applied to the pixels
-behind the patches (unpatchify → crop → resize → patchify).
+with `PATCH_MEAN` / `PATCH_STD` (`pipelines.core.datasets`), and `label` int64.
+With `augment=True` each image gets a random-resized crop and a horizontal flip,
+applied to the pixels behind the patches (unpatchify → crop → resize → patchify).
 
 Augmentation randomness: with `seed=None` every pass draws fresh crops (what a
 training loop that iterates the same Dataset for several epochs wants). With an
@@ -14,9 +14,6 @@ is reproducible; `epochs=k` then chains k passes with epochs 0..k-1.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,24 +21,18 @@ import numpy as np
 from PIL import Image
 
 from pipelines.core import shards
+from pipelines.core.datasets import PATCH_MEAN, PATCH_STD, key_seed, seeded_passes
 from pipelines.core.errors import VitpipeError
+from pipelines.core.storage import open_store
 from pipelines.image.patches import patchify_batch, unpatchify
-from pipelines.core.storage import Store, open_store
 
 __all__ = [
-    "PATCH_MEAN",
-    "PATCH_STD",
     "AugmentConfig",
     "augment_patches",
     "load_split",
     "normalize",
     "patch_dataset",
-    "read_manifest",
-    "seeded_passes",
 ]
-
-PATCH_MEAN = 0.5  # per channel, on pixels scaled to [0, 1]
-PATCH_STD = 0.5
 
 
 @dataclass(frozen=True)
@@ -51,21 +42,6 @@ class AugmentConfig:
     scale: tuple[float, float] = (0.25, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
-
-
-def read_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The manifest of a finished ingest output; raises `VitpipeError` if the output is incomplete."""
-    store = open_store(uri, endpoint_url=endpoint_url)
-    return _read_manifest(store)
-
-
-def _read_manifest(store: Store) -> dict[str, Any]:
-    if not store.exists(shards.SUCCESS):
-        raise VitpipeError(f"{store.uri}: not a finished ingest output (no {shards.SUCCESS} marker)")
-    try:
-        return json.loads(store.read(shards.MANIFEST))
-    except ValueError as exc:
-        raise VitpipeError(f"{store.child_uri(shards.MANIFEST)}: not valid JSON ({exc})") from None
 
 
 def normalize(patches: np.ndarray) -> np.ndarray:
@@ -82,11 +58,6 @@ def patches_array(column: Any, num_patches: int, patch_dim: int) -> np.ndarray:
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[column.offset : column.offset + n + 1]
     data = np.frombuffer(column.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
     return data.reshape(n, num_patches, patch_dim)
-
-
-def key_seed(key: str) -> list[int]:
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return [int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
 
 
 def random_resized_crop(image: np.ndarray, rng: np.random.Generator, aug: AugmentConfig) -> np.ndarray:
@@ -134,46 +105,6 @@ def _decode_batch(
     return {"patches": normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
 
 
-def seeded_passes(
-    paths: list[str],
-    filesystem: Any,
-    *,
-    split: str,
-    columns: Sequence[str],
-    shuffle: bool,
-    seed: int | None,
-    epochs: int,
-    decode: Callable[..., dict[str, np.ndarray]],
-    fn_kwargs: dict[str, Any],
-    batch_size: int,
-) -> Any:
-    """`epochs` passes over the `split` rows of Parquet files (on `filesystem`), chained into one Ray Dataset.
-
-    Pass `e` reads the files in shuffled order when `shuffle` (fixed by `seed + e`
-    when seeded, fresh otherwise) and maps `decode(batch, **fn_kwargs, seed=seed, epoch=e)`
-    over pyarrow batches of `batch_size` rows. The image, clip and feature datasets
-    all stream through here, so a seed picks their file orders the same way.
-    """
-    import ray.data
-    from ray.data.expressions import col
-
-    passes = []
-    for epoch in range(epochs):
-        order = None
-        if shuffle:
-            order = ray.data.FileShuffleConfig(seed=seed + epoch) if seed is not None else "files"
-        ds = (
-            ray.data.read_parquet(paths, filesystem=filesystem, shuffle=order)
-            .select_columns(list(columns))
-            .filter(expr=col("split") == split)
-        )
-        passes.append(
-            ds.map_batches(decode, fn_kwargs={**fn_kwargs, "seed": seed, "epoch": epoch},
-                           batch_format="pyarrow", batch_size=batch_size)
-        )
-    return passes[0].union(*passes[1:]) if len(passes) > 1 else passes[0]
-
-
 def patch_dataset(
     uri: str,
     split: str,
@@ -198,7 +129,7 @@ def patch_dataset(
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = _read_manifest(store)
+    manifest = shards.read_manifest(store)
     keys = [s["path"] for s in manifest["shards"] if s.get("split", {}).get(split, 0) > 0]
     if not keys:
         raise VitpipeError(f"{store.uri}: split {split!r} has no images")
@@ -233,7 +164,7 @@ def load_split(
     if split not in shards.SPLITS:
         raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = _read_manifest(store)
+    manifest = shards.read_manifest(store)
     tables = []
     for entry in manifest["shards"]:
         if entry.get("split", {}).get(split, 0) > 0:

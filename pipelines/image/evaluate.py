@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pipelines.core import tracking
 from pipelines.core.stage_config import load_stage_config, stage_main
 from pipelines.core.errors import VitpipeError
+from pipelines.core.uris import strip_userinfo
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -178,7 +179,7 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
 def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
     """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
     from pipelines.image.finetune_data import iter_rows
-    from pipelines.image.finetune_results import class_names
+    from pipelines.core.shards import class_names
 
     names = class_names(data.manifest)
     for split in {config.query_split, config.support_split}:
@@ -226,7 +227,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.image.finetune_data import DataSpec
     from pipelines.image.finetune_trial import at_resolution
     from pipelines.training.starting_weights import fetch_starting_weights, init_kind
@@ -250,7 +251,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id, resolution=size)
     digest = tracking.config_hash(identity)
     tags = {
-        "vitpipe.data_uri": tracking.strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
+        "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),
     }
     run_id, previous = tracking.start_stage_run(client, config.experiment, STAGE, digest,

@@ -32,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipelines.core import tracking
 from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.cluster import connect
+from pipelines.core.uris import strip_userinfo
 from pipelines.image.finetune_results import report_sweep
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
 
@@ -286,11 +288,10 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     Raises ValueError for bad input (one line naming the field, run or URI) and
     `VitpipeError` when every trial failed.
     """
-    import ray
     from mlflow.tracking import MlflowClient
 
     from pipelines.core import storage
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.training.starting_weights import fetch_starting_weights, init_kind
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
@@ -311,14 +312,13 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     digest = tracking.config_hash(identity)
     sweep = config.run_name or f"{STAGE}-{digest[:12]}"
     tags = {
-        "vitpipe.data_uri": tracking.strip_userinfo(config.data),
+        "vitpipe.data_uri": strip_userinfo(config.data),
         TAG_MANIFEST: str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source,
         "vitpipe.init_kind": start.kind,
         **({TAG_PRETRAIN_RUN: start.source_run_id} if start.source_run_id else {}),
     }
-    if not ray.is_initialized():
-        ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+    connect(ray_address)
     per_worker, concurrent = trial_capacity(config, streaming=not in_memory)
     run_id, previous = tracking.start_stage_run(
         client, config.experiment, STAGE, digest, run_name=sweep, parent_run_id=config.parent_run_id,
@@ -349,7 +349,7 @@ def _sweep_context(config: FinetuneConfig, data: Any, in_memory: bool, model: An
                    sweep: str, batch_size: int, per_worker: dict[str, float], tracking_uri: str, run_id: str,
                    client: Any) -> Any:
     """What every trial shares: data, staged weights, the worker settings that do not vary, where to log."""
-    from pipelines.image.finetune_results import class_names
+    from pipelines.core.shards import class_names
     from pipelines.image.finetune_trial import SweepContext
     from pipelines.training.starting_weights import ARCH_FIELDS
 

@@ -25,6 +25,10 @@ from typing import Any, Literal
 import numpy as np
 
 from pipelines.core.errors import VitpipeError
+from pipelines.core.shards import split_of
+from pipelines.core.storage import open_store
+from pipelines.image.data import AugmentConfig, augment_patches, normalize, patches_array
+from pipelines.image.patches import patchify_batch, unpatchify
 
 HOLDOUT_SALT = "finetune-holdout/"  # keys hashed with this salt pick the minival images
 Role = Literal["train", "val", "test"]
@@ -45,8 +49,6 @@ def augment_config(strength: float, hflip: bool) -> Any:
 
     Strength 1 is the pretraining default: crops of 25–100% of the area, aspect 3/4–4/3.
     """
-    from pipelines.image.data import AugmentConfig
-
     if strength <= 0:
         return None
     stretch = 1 + strength / 3
@@ -57,8 +59,6 @@ def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], 
     """uint8 patch sequences of images on `grid` → the same images resized to `size`×`size`, re-patchified."""
     from PIL import Image
 
-    from pipelines.image.patches import patchify_batch, unpatchify
-
     images = unpatchify(patches, patch_size, grid)
     out = np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC)) for im in images])
     return patchify_batch(out, patch_size)
@@ -66,8 +66,6 @@ def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], 
 
 def in_holdout(keys: list[str], fraction: float) -> np.ndarray:
     """Which keys belong to the minival carved out of train (a stable hash of the key)."""
-    from pipelines.core.shards import split_of
-
     return np.array([split_of(HOLDOUT_SALT + k, fraction, 0.0) == "val" for k in keys], dtype=bool)
 
 
@@ -75,8 +73,6 @@ def decode_arrays(
     patches: np.ndarray, labels: np.ndarray, keys: list[str], *, manifest: dict[str, Any], size: int, aug: Any
 ) -> dict[str, np.ndarray]:
     """uint8 patch sequences → normalised float32 patches at `size`×`size` (augmented when `aug`), int64 labels."""
-    from pipelines.image.data import augment_patches, normalize
-
     p, grid = manifest["patch_size"], tuple(manifest["grid"])
     if aug is not None and len(patches):
         patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=None, epoch=0, aug=aug)
@@ -96,8 +92,6 @@ def select_rows(table: Any, keep: str, holdout: float) -> Any:
 
 def decode_batch(table: Any, *, manifest: dict[str, Any], keep: str, holdout: float, size: int, aug: Any) -> dict[str, np.ndarray]:
     """Parquet rows (`patches`, `label`, `key`) → `decode_arrays`, after keeping the rows of `keep`."""
-    from pipelines.image.data import patches_array
-
     table = select_rows(table, keep, holdout)
     patches = patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"])
     return decode_arrays(patches, table.column("label").to_numpy(), table.column("key").to_pylist(),
@@ -120,8 +114,6 @@ def _tables(data: DataSpec, role: Role) -> Iterator[tuple[Any, str]]:
     """Each shard's rows of `role`'s split as a pyarrow table, with the row filter to apply."""
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
-
-    from pipelines.core.storage import open_store
 
     split, keep = source(data, role)
     store = open_store(data.uri, data.settings)
@@ -172,8 +164,6 @@ def memory_rows(data: DataSpec, *, size: int, aug: Any) -> MemoryRows:
     """Read the training rows once, undecoded (so every epoch can crop them afresh)."""
     import pyarrow as pa
 
-    from pipelines.image.data import patches_array
-
     tables = [select_rows(t, keep, data.holdout) for t, keep in _tables(data, "train")]
     table = pa.concat_tables(tables) if tables else None
     if table is None or table.num_rows == 0:
@@ -209,8 +199,6 @@ def train_dataset(data: DataSpec, *, size: int, aug: Any = None) -> Any:
     """A Ray Dataset of the training rows at resolution `size`, shuffled by file, augmented when asked."""
     import ray.data
     from ray.data.expressions import col
-
-    from pipelines.core.storage import open_store
 
     split, keep = source(data, "train")
     store = open_store(data.uri, data.settings)

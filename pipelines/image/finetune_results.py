@@ -17,18 +17,11 @@ from typing import Any
 import vit
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
+from pipelines.core.shards import class_names
 
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
 TAG_FINETUNE_RUN = "vitpipe.finetune_run_id"
-
-
-def class_names(manifest: dict[str, Any]) -> list[str]:
-    """Class names in label order (the manifest maps name -> label)."""
-    classes = manifest["classes"]
-    if isinstance(classes, dict):
-        return [name for name, _ in sorted(classes.items(), key=lambda item: item[1])]
-    return [str(c) for c in classes]
 
 
 def trial_outcomes(result_grid: Any, metric: str) -> list[dict[str, Any]]:
@@ -213,7 +206,6 @@ def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_g
 
 
 __all__ = [
-    "class_names",
     "error_line",
     "evaluate_split",
     "finish_trial_runs",

@@ -29,6 +29,8 @@ from pydantic import BaseModel, Field
 from pipelines.core import tracking
 from pipelines.core.stage_config import load_stage_config, stage_main
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
+from pipelines.core.cluster import connect
+from pipelines.core.uris import strip_userinfo
 from pipelines.training.loop import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, train_loop_per_worker
 from pipelines.training.recipe import TrainRecipe
 from pipelines.training.step import LoopSettings
@@ -287,10 +289,9 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     Raises `TrainingDivergedError` when the loss goes NaN/inf and `VitpipeError`
     when training fails beyond `max_failures` restarts.
     """
-    import ray
     from mlflow.tracking import MlflowClient
 
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
 
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     overrides = model_overrides(config, manifest)
@@ -300,10 +301,9 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
 
-    if not ray.is_initialized():
-        ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+    connect(ray_address)
     tags = {
-        "vitpipe.data_uri": tracking.strip_userinfo(config.data),
+        "vitpipe.data_uri": strip_userinfo(config.data),
         "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         **({"vitpipe.ingest_run_id": config.ingest_run_id} if config.ingest_run_id else {}),
         **tracking.system_info(config.num_workers, config.use_gpu),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pipelines.core.tracking import strip_userinfo
+from pipelines.core.uris import strip_userinfo
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"

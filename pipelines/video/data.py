@@ -25,10 +25,10 @@ from typing import Any, Literal
 import numpy as np
 
 from pipelines.core import shards
-from pipelines.video import shards as video_shards
-from pipelines.image.data import PATCH_MEAN, PATCH_STD, key_seed, read_manifest, seeded_passes
+from pipelines.core.datasets import PATCH_MEAN, PATCH_STD, key_seed, seeded_passes
 from pipelines.core.errors import VitpipeError
 from pipelines.core.storage import Store, open_store
+from pipelines.video import shards as video_shards
 
 VIDEO_FORMAT = video_shards.FORMAT
 COLUMNS = ("frames", "num_frames", "height", "width", "label", "key", "split")  # what training reads
@@ -54,7 +54,7 @@ __all__ = [
 
 def read_video_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video ingest output (`pipelines.video.shards`); `VitpipeError` otherwise."""
-    return check_video_manifest(uri, read_manifest(uri, endpoint_url=endpoint_url))
+    return check_video_manifest(uri, shards.read_manifest(uri, endpoint_url=endpoint_url))
 
 
 def check_video_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -73,14 +73,6 @@ def stored_clip_length(manifest: dict[str, Any]) -> int | None:
     """The stored clips' length when the ingest kept clips back to back (`sampling.mode == "clips"`), else None."""
     sampling = manifest.get("sampling") or {}
     return int(sampling["clip_length"]) if sampling.get("mode") == "clips" else None
-
-
-def class_names(manifest: dict[str, Any]) -> list[str]:
-    """Class names in label order (`classes` is a name → index map, or a list)."""
-    classes = manifest["classes"]
-    if isinstance(classes, dict):
-        return [name for name, _ in sorted(classes.items(), key=lambda kv: int(kv[1]))]
-    return list(classes)
 
 
 def split_count(manifest: dict[str, Any], split: str) -> int | None:
@@ -334,6 +326,4 @@ def iter_videos(uri: str, split: str, *, manifest: dict[str, Any] | None = None,
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """The manifest's content hash, or a hash of the manifest itself when it carries none."""
-    from pipelines.core.shards import fingerprint
-
-    return str(manifest.get("content_hash") or fingerprint(json.loads(json.dumps(manifest, default=str))))
+    return str(manifest.get("content_hash") or shards.fingerprint(json.loads(json.dumps(manifest, default=str))))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines.core import tracking
+from pipelines.core.uris import strip_userinfo
 
 if TYPE_CHECKING:
     from pipelines.video.train import VideoTrainConfig
@@ -96,7 +96,7 @@ def evaluate_modes(model: Any, videos: Iterable[Any], config: VideoTrainConfig, 
     if count == 0:
         from pipelines.core.errors import VitpipeError
 
-        raise VitpipeError(f"{tracking.strip_userinfo(config.data)}: split {config.eval_split!r} has no videos to evaluate")
+        raise VitpipeError(f"{strip_userinfo(config.data)}: split {config.eval_split!r} has no videos to evaluate")
     rows = []
     for mode in config.eval_modes:
         note = predict.note(mode)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pipelines.image.data import seeded_passes
+from pipelines.core.datasets import seeded_passes
 from pipelines.core.storage import open_store
 from pipelines.video.data import ClipSpec, clip_rounds, shard_keys
 
@@ -46,7 +46,7 @@ def is_features(manifest: dict[str, Any]) -> bool:
 
 def read_training_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a video ingest output or of a video features output; `VitpipeError` (one line) otherwise."""
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.video.data import check_classes, check_video_manifest
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)

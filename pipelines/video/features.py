@@ -47,6 +47,8 @@ from pipelines.core import shards, tracking
 from pipelines.video import shards as video_shards
 from pipelines.core.stage_config import load_stage_config, stage_main
 from pipelines.core.storage import parse_uri
+from pipelines.core.cluster import connect
+from pipelines.core.uris import strip_userinfo
 
 logger = logging.getLogger(__name__)
 STAGE = "video_features"
@@ -153,7 +155,7 @@ def decode_features(row: dict[str, Any], dtype: str = "float32") -> np.ndarray:
 
 def read_features_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video features output; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.image.data import read_manifest
+    from pipelines.core.shards import read_manifest
     from pipelines.core.errors import VitpipeError
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
@@ -246,7 +248,6 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     not a finished video ingest output or the output cannot be written, and a
     one-line ValueError naming the field for a backbone that cannot be built.
     """
-    import ray
     import torch
 
     from pipelines.core.errors import VitpipeError
@@ -283,15 +284,14 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
         else:
             todo.append(key)
     if todo:
-        if not ray.is_initialized():
-            ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+        connect(ray_address)
         summaries.update(_compute(config, initial, bf16, source, out, todo, fingerprint))
     ordered = [summaries[k] for k in keys]
     shards.remove_stale_shards(out, set(keys))
     manifest = _assemble_manifest(config, source_manifest, initial.frame_size, backbone, identity, fingerprint, ordered)
     listed = (source_manifest.get("counts") or {}).get("videos")
     if listed is not None and listed != manifest["counts"]["videos"]:
-        raise VitpipeError(f"{tracking.strip_userinfo(config.data)}: the manifest lists {listed} videos, the shards hold "
+        raise VitpipeError(f"{strip_userinfo(config.data)}: the manifest lists {listed} videos, the shards hold "
                            f"{manifest['counts']['videos']}")
     out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
@@ -306,7 +306,7 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
 def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The frozen VTN whose backbone computes the features (built by video_train's `build_initial_model`),
     and the backbone as the manifest records it."""
-    from pipelines.video.data import class_names
+    from pipelines.core.shards import class_names
     from pipelines.video.train import build_initial_model
 
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
@@ -387,7 +387,7 @@ def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], fram
     public["endpoint_url"] = S3Settings.resolve(config.endpoint_url).public()["endpoint_url"]
     return {
         "format": FORMAT,
-        "source": {"uri": tracking.strip_userinfo(config.data), "format": source.get("format"),
+        "source": {"uri": strip_userinfo(config.data), "format": source.get("format"),
                    "content_hash": identity["data"]},
         "backbone": backbone,
         "feature_dim": backbone["feature_dim"],

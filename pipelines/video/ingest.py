@@ -2,7 +2,7 @@
 
 Video objects (MP4/MOV, MKV/WebM, AVI) in `<class>/<file>` folders or named by a
 CSV/Parquet manifest (key,label[,split]), in a local folder or under `s3://`.
-The stage is the image ingest's machinery (`pipelines.image.ingest.run_sharded_ingest`)
+The stage runs on the sharded-ingest engine (`pipelines.core.ingest.run_sharded_ingest`)
 with a video shard step: Ray Data streams the listing into shard plans, and CPU
 workers fetch each shard's videos, decode them with PyAV (`pipelines.video.decode`),
 sample frames (the whole video uniformly, or clips), resize the shorter side to
@@ -22,21 +22,13 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from pipelines.core import shards
-from pipelines.video import shards as video_shards
-from pipelines.image.ingest import (
-    IngestKind,
-    IngestResult,
-    ShardedIngestConfig,
-    fetch_planned,
-    manifest_summary,
-    public_config,
-    run_sharded_ingest,
-    shard_counts,
-)
+from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, fetch_planned, manifest_summary,
+                                   public_config, run_sharded_ingest, shard_counts)
 from pipelines.core.storage import S3Settings, Store
+from pipelines.video import shards as video_shards
 from pipelines.video.decode import RejectedVideo, clip_indices, decode_video, full_indices
 
-__all__ = ["VideoIngestConfig", "IngestResult", "run_video_ingest", "process_video_shard"]
+__all__ = ["VideoIngestConfig", "run_video_ingest", "process_video_shard"]
 
 MAX_FRAME_PIXELS = 7680 * 4320  # 8K UHD
 
@@ -151,7 +143,7 @@ def process_video_shard(
         "stats": _stats(stored, source_frames, kept["fps"]),
         "rejected": rejected,
     }
-    video_shards.write_shard(out, key, table, summary, config.compression)
+    shards.write_shard(out, key, table, summary, config.compression)
     return summary
 
 

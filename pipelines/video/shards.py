@@ -46,12 +46,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipelines.core.shards import MANIFEST, SHARD_DIR, SPLITS, SUCCESS, read_summary, shard_key, split_of, write_shard
+from pipelines.core.errors import VitpipeError
 
 __all__ = [
-    "COLUMNS", "FORMAT", "MANIFEST", "SCHEMA", "SHARD_DIR", "SPLITS", "SUCCESS", "VIDEO_FIELDS", "build_table",
-    "check_manifest", "content_hash", "decode_frames", "read_manifest", "read_summary", "read_video_rows",
-    "rows_hash", "shard_key", "split_clips", "split_of", "table_hash", "video_arrays", "write_shard",
+    "COLUMNS", "FORMAT", "SCHEMA", "VIDEO_FIELDS", "build_table", "check_manifest", "content_hash", "decode_frames",
+    "read_video_rows", "rows_hash", "split_clips", "table_hash", "video_arrays",
 ]
 
 FORMAT = "vitpipe-video/1"
@@ -191,17 +190,8 @@ def content_hash(frame_size: int, sampling: Mapping[str, Any], classes: Mapping[
     return "sha256:" + hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
 
 
-def read_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The manifest of a finished video ingest output; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.image.data import read_manifest as read_any
-
-    return check_manifest(uri, read_any(uri, endpoint_url=endpoint_url))
-
-
 def check_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """`manifest`, read from `uri`, if it is a video ingest output's; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.core.errors import VitpipeError
-
     if manifest.get("format") != FORMAT:
         raise VitpipeError(f"{uri}: not a video dataset (format {manifest.get('format')!r}, expected {FORMAT!r})")
     return manifest

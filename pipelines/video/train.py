@@ -44,6 +44,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pipelines.core import tracking
 from pipelines.training.recipe import TrainRecipe
 from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.cluster import connect
+from pipelines.core.uris import strip_userinfo
 from pipelines.video.eval import (
     EVAL_TABLE,
     evaluate_modes,
@@ -314,14 +316,14 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> VideoTrainResult
 
 def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None) -> VideoTrainResult:
     """Run (or resume) the stage: build, train, evaluate in both modes, log; returns the run and model URIs."""
-    import ray
     from mlflow.tracking import MlflowClient
 
     import vit
     from pipelines.image.finetune import stage_init
     from pipelines.image.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
     from pipelines.video.feature_data import features_train_config, is_features, read_training_manifest
-    from pipelines.video.data import class_names, manifest_digest, split_count
+    from pipelines.core.shards import class_names
+    from pipelines.video.data import manifest_digest, split_count
 
     manifest = read_training_manifest(config.data, endpoint_url=config.endpoint_url)
     features = is_features(manifest)
@@ -329,7 +331,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
         config = features_train_config(config, manifest)
     classes = class_names(manifest)
     if split_count(manifest, "train") == 0:
-        raise ValueError(f"data: {tracking.strip_userinfo(config.data)} holds no training videos")
+        raise ValueError(f"data: {strip_userinfo(config.data)} holds no training videos")
     if split_count(manifest, config.eval_split) == 0:
         other = "val" if config.eval_split == "test" else "test"
         raise ValueError(f"eval_split: the data holds no {config.eval_split!r} videos (try eval_split: {other})")
@@ -344,10 +346,9 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     digest = tracking.config_hash(run_identity(config, manifest))
     run_name = config.run_name or f"{STAGE}-{digest[:12]}"
 
-    if not ray.is_initialized():
-        ray.init(address=ray_address or os.environ.get("RAY_ADDRESS"))
+    connect(ray_address)
     tags = {
-        "vitpipe.data_uri": tracking.strip_userinfo(config.data),
+        "vitpipe.data_uri": strip_userinfo(config.data),
         "vitpipe.manifest_hash": manifest_digest(manifest),
         "vitpipe.backbone_init": initial.backbone_source,
         **({TAG_BACKBONE_RUN: initial.backbone_run_id} if initial.backbone_run_id else {}),

@@ -1,0 +1,19 @@
+"""URIs that are safe to show: the one place where credentials are scrubbed from a URI."""
+
+from __future__ import annotations
+
+import re
+
+# `scheme://` (or a bare `//`), then an authority whose userinfo ends at its last `@`; an authority
+# ends at the first `/`, `?` or `#`, as `urllib.parse.urlsplit` cuts it.
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)[^/?#]*@")
+
+
+def strip_userinfo(uri: str) -> str:
+    """`uri` without any `user:password@` part; everything else exactly as written, other strings unchanged.
+
+    Used on every URI that is logged, tagged or put in an error message, so it never raises
+    (not on a bad port nor on an unclosed IPv6 bracket) and keeps the host as written (case,
+    IPv6 brackets, port).
+    """
+    return _USERINFO.sub(r"\1", uri, count=1)
