@@ -1,48 +1,39 @@
-"""pipelines.core.cluster.connect: the one way to join Ray (a stand-in `ray` module; no cluster started)."""
+"""pipelines.core.cluster.connect: the one way to join Ray, against the session's real local cluster."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-import types
-
-import pytest
 
 from pipelines.core.cluster import connect
 
-
-@pytest.fixture
-def fake_ray(monkeypatch):
-    calls: list[str | None] = []
-    state = {"up": False}
-
-    def init(address=None):
-        calls.append(address)
-        state["up"] = True
-
-    module = types.SimpleNamespace(is_initialized=lambda: state["up"], init=init, calls=calls, state=state)
-    monkeypatch.setitem(sys.modules, "ray", module)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    return module
+# A fresh process that joins through `connect` and prints the GCS address it ended up on.
+_JOIN = (
+    "import sys, ray; from pipelines.core.cluster import connect; "
+    "connect(sys.argv[1] if len(sys.argv) > 1 else None); print(ray.get_runtime_context().gcs_address)"
+)
 
 
-def test_connect_joins_the_given_address_once(fake_ray):
-    connect("ray://head:10001")
-    connect("ray://other:10001")  # already connected: nothing happens
-    assert fake_ray.calls == ["ray://head:10001"]
+def _join(cluster_address: str, *args: str, ray_address: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
+    done = subprocess.run([sys.executable, "-c", _JOIN, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
 
 
-def test_connect_without_an_address_uses_ray_address(fake_ray, monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
-    connect()
-    assert fake_ray.calls == ["head:6379"]
+def test_connect_joins_the_given_address(ray_cluster) -> None:
+    assert _join(ray_cluster.address, ray_cluster.address, ray_address="127.0.0.1:1") == ray_cluster.address
 
 
-def test_connect_without_any_address_starts_a_local_ray(fake_ray):
-    connect()
-    assert fake_ray.calls == [None]
+def test_connect_without_an_address_joins_ray_address(ray_cluster) -> None:
+    assert _join(ray_cluster.address, ray_address=ray_cluster.address) == ray_cluster.address
 
 
-def test_connect_is_a_no_op_when_ray_is_up(fake_ray):
-    fake_ray.state["up"] = True
-    connect("head:6379")
-    assert fake_ray.calls == []
+def test_connect_leaves_a_connected_process_where_it_is(ray_cluster) -> None:
+    import ray
+
+    connect("127.0.0.1:1")  # nothing listens there: joining it would fail
+    assert ray.get_runtime_context().gcs_address == ray_cluster.address
