@@ -24,7 +24,7 @@ class Fill(NamedTuple):
     source: str  # attribute of the upstream stage's result; "ref" = the input string itself
 
 
-Loader = Callable[[], tuple[type[BaseModel], Callable[..., Any]]]  # imports on first call; later calls are cheap
+Loaded = tuple[type[BaseModel], Callable[..., Any]]  # a stage's config model and run function
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Stage:
     own MLflow run (`result.run_id`, `result.reused`).
     """
 
-    load: Loader  # imports the stage module: (config model, run function)
+    load: Callable[[], Loaded]  # imports the stage module on first call (later calls are cheap)
     inputs: dict[str, Fill]
     metric: Callable[[Any], str]  # the summary table's key figure of a result
     shards: bool = False
@@ -65,43 +65,43 @@ class Stage:
 # ------------------------------------------------------------ loaders
 
 
-def _ingest() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _ingest() -> Loaded:
     from pipelines.image import ingest  # deferred: stage modules import torch and Ray
 
     return ingest.IngestConfig, ingest.run_ingest
 
 
-def _pretrain() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _pretrain() -> Loaded:
     from pipelines.image import pretrain  # deferred: stage modules import torch and Ray
 
     return pretrain.PretrainConfig, pretrain.run_pretrain
 
 
-def _finetune() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _finetune() -> Loaded:
     from pipelines.image import finetune  # deferred: stage modules import torch and Ray
 
     return finetune.FinetuneConfig, finetune.run_finetune
 
 
-def _evaluate() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _evaluate() -> Loaded:
     from pipelines.image import evaluate  # deferred: stage modules import torch and Ray
 
     return evaluate.EvaluateConfig, evaluate.run_evaluate
 
 
-def _video_ingest() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _video_ingest() -> Loaded:
     from pipelines.video import ingest  # deferred: stage modules import torch and Ray
 
     return ingest.VideoIngestConfig, ingest.run_video_ingest
 
 
-def _video_features() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _video_features() -> Loaded:
     from pipelines.video import features  # deferred: stage modules import torch and Ray
 
     return features.VideoFeaturesConfig, features.run_video_features
 
 
-def _video_train() -> tuple[type[BaseModel], Callable[..., Any]]:
+def _video_train() -> Loaded:
     from pipelines.video import train  # deferred: stage modules import torch and Ray
 
     return train.VideoTrainConfig, train.run_video_train
