@@ -1,77 +1,27 @@
 """The `vitpipe` command line.
 
 Every command reports a `VitpipeError` (and invalid arguments) as one line on
-stderr and exits with status 1; set `VITPIPE_DEBUG=1` to see the traceback.
+stderr and exits with status 1 (`pipelines.cli_errors`); set `VITPIPE_DEBUG=1`
+to see the traceback.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import click
 import typer
-from pydantic import ValidationError
-from typer.core import TyperGroup
 
 from pipelines.core.cluster import connect
-from pipelines.core.errors import VitpipeError
+from pipelines import jobs
+from pipelines.cli_errors import ErrorReportingGroup, fail
+from pipelines.core.logfile import console_handler
+from pipelines.core.stage_config import load_stage_config, parse_overrides
+from pipelines.stages import STAGES
 
-
-def one_line(err: BaseException) -> str:
-    """The message a user sees for an error raised by a command."""
-    if isinstance(err, ValidationError):
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or err.title
-        message = str(first.get("msg", err)).removeprefix("Value error, ")
-        return f"{where}: {message}"
-    return " ".join(str(err).split())
-
-
-class _Group(TyperGroup):
-    """Turns user-facing errors of any subcommand into `error: <one line>` and exit status 1."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        from pipelines.core.logfile import start_log_file
-
-        global _log_file
-        _log_file = start_log_file()
-        try:
-            return super().invoke(ctx)
-        except _CLI_EXITS:
-            raise
-        except Exception as err:
-            if os.environ.get("VITPIPE_DEBUG"):
-                raise
-            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(sys.argv[1:]), exc_info=True)
-            expected = isinstance(err, (VitpipeError, ValidationError, ValueError))
-            # Anything else is a bug or an outage: name its type, keep the first line, the log has the rest.
-            fail(one_line(err) if expected else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}")
-
-
-# Exits and usage errors that the CLI framework reports itself (typer.Exit is a RuntimeError).
-_CLI_EXITS = (typer.Exit, typer.Abort, typer.TyperException, click.exceptions.Exit, click.ClickException, click.Abort)
-_log_file: Path | None = None  # this command's log (pipelines.core.logfile)
-
-
-def fail(message: str) -> None:
-    """Print `error: <message>` and where the details are, and exit with status 1."""
-    from pipelines.core.logfile import ray_logs_dir
-
-    where = [f"log: {_log_file}"] if _log_file else []
-    ray_logs = ray_logs_dir()
-    if ray_logs:
-        where.append(f"Ray logs: {ray_logs}")
-        logging.getLogger("vitpipe").debug("Ray logs: %s", ray_logs)
-    typer.echo(f"error: {message}" + (f" ({'; '.join(where)})" if where else ""), err=True)
-    raise typer.Exit(1)
-
-
-app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False, help="Distributed ViT pretraining and transfer.")
+app = typer.Typer(cls=ErrorReportingGroup, no_args_is_help=True, add_completion=False, help="Distributed ViT pretraining and transfer.")
 corpus_app = typer.Typer(no_args_is_help=True, help="Write corpora to run the pipeline on.")
 app.add_typer(corpus_app, name="corpus")
 
@@ -84,8 +34,6 @@ def _init_ray(address: Optional[str]) -> None:
 
 def _log_progress() -> None:
     """Show vitpipe's own INFO lines on stderr (not those of botocore and friends)."""
-    from pipelines.core.logfile import console_handler
-
     console_handler().setLevel(logging.INFO)
 
 
@@ -100,7 +48,7 @@ def corpus_synth(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
 ) -> None:
     """Write a formula-driven (IFS fractal) corpus as JPEGs in class folders."""
-    from pipelines.corpora.images import synth_corpus
+    from pipelines.corpora.images import synth_corpus  # deferred: PIL and numpy, kept out of CLI start-up
 
     _init_ray(ray_address)
     result = synth_corpus(dest, images=images, classes=classes, size=size, seed=seed, endpoint_url=endpoint_url)
@@ -116,7 +64,7 @@ def corpus_digits(
     endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint."),
 ) -> None:
     """Export scikit-learn's handwritten digits with a fixed train/test split (manifest.csv)."""
-    from pipelines.corpora.images import export_digits
+    from pipelines.corpora.images import export_digits  # deferred: PIL and numpy, kept out of CLI start-up
 
     result = export_digits(dest, size=size, test_fraction=test_fraction, seed=seed, endpoint_url=endpoint_url)
     manifest = f"{dest.rstrip('/')}/manifest.csv"
@@ -136,7 +84,7 @@ def corpus_synth_video(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
 ) -> None:
     """Write a generated video corpus (digits moving along class paths) as MP4s in class folders."""
-    from pipelines.corpora.videos import synth_video_corpus
+    from pipelines.corpora.videos import synth_video_corpus  # deferred: PIL and numpy, kept out of CLI start-up
 
     _init_ray(ray_address)
     result = synth_video_corpus(dest, videos=videos, classes=classes, size=size, frames=frames, seed=seed,
@@ -163,8 +111,6 @@ def ingest(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Decode, resize and patchify a corpus into Parquet shards plus manifest.json (resumable)."""
-    from pipelines.image.ingest import IngestConfig, run_ingest
-
     fields: dict[str, Any] = dict(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, image_size=image_size,
         patch_size=patch_size, val_fraction=val_fraction, test_fraction=test_fraction,
@@ -172,22 +118,7 @@ def ingest(
     )
     if max_pixels is not None:
         fields["max_pixels"] = max_pixels
-    config = IngestConfig(**fields)
-    _log_progress()
-    _init_ray(ray_address)
-    result = run_ingest(config)
-    if as_json:
-        typer.echo(json.dumps({"output": result.output, "counts": result.counts, "skipped": result.skipped,
-                               "shards_written": result.shards_written, "shards_reused": result.shards_reused,
-                               "content_hash": result.manifest["content_hash"]}))
-    elif result.skipped:
-        typer.echo(f"{output}: already complete for this config ({result.counts['images']} images)")
-    else:
-        c = result.counts
-        typer.echo(
-            f"{output}: {c['images']} images (train {c['train']}, val {c['val']}, test {c['test']}), "
-            f"{c['rejected']} rejected, {result.shards_written} shards written, {result.shards_reused} reused"
-        )
+    _run_ingest("ingest", fields, ray_address, as_json)
 
 
 @app.command("video-ingest")
@@ -213,28 +144,35 @@ def video_ingest(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Decode, sample and resize videos into Parquet shards of frames plus manifest.json (resumable)."""
-    from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
-
-    config = VideoIngestConfig(
+    fields = dict(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, frame_size=frame_size,
         sampling=sampling, max_frames=max_frames, clip_length=clip_length, frame_stride=frame_stride,
         clip_stride=clip_stride, max_clips=max_clips, val_fraction=val_fraction, test_fraction=test_fraction,
         max_reject_fraction=max_reject_fraction, shard_size=shard_size, seed=seed, concurrency=concurrency,
     )
+    _run_ingest("video_ingest", fields, ray_address, as_json)
+
+
+def _run_ingest(kind: str, fields: dict[str, Any], ray_address: Optional[str], as_json: bool) -> None:
+    """Validate and run an ingest kind from its command's options; print what it wrote (or found complete)."""
+    stage = STAGES[kind]
+    config = stage.config_model(**fields)
     _log_progress()
     _init_ray(ray_address)
-    result = run_video_ingest(config)
+    result = stage.run(config)
+    output, counts = fields["output"], result.counts
+    noun = "videos" if kind == "video_ingest" else "images"
     if as_json:
-        typer.echo(json.dumps({"output": result.output, "counts": result.counts, "skipped": result.skipped,
+        typer.echo(json.dumps({"output": result.output, "counts": counts, "skipped": result.skipped,
                                "shards_written": result.shards_written, "shards_reused": result.shards_reused,
                                "content_hash": result.manifest["content_hash"]}))
     elif result.skipped:
-        typer.echo(f"{output}: already complete for this config ({result.counts['videos']} videos)")
+        typer.echo(f"{output}: already complete for this config ({counts[noun]} {noun})")
     else:
-        c = result.counts
+        frames = f", {counts['frames']} frames" if noun == "videos" else ""
         typer.echo(
-            f"{output}: {c['videos']} videos, {c['frames']} frames (train {c['train']}, val {c['val']}, "
-            f"test {c['test']}), {c['rejected']} rejected, {result.shards_written} shards written, "
+            f"{output}: {counts[noun]} {noun}{frames} (train {counts['train']}, val {counts['val']}, "
+            f"test {counts['test']}), {counts['rejected']} rejected, {result.shards_written} shards written, "
             f"{result.shards_reused} reused"
         )
 
@@ -244,19 +182,12 @@ _SETS = typer.Option([], "--set", help="Override a config field: KEY=VALUE (VALU
 _RAY = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local).")
 
 
-def _run_stage(module: str, config: str, sets: list[str], ray_address: Optional[str], *, uses_ray: bool = True) -> None:
-    """Load, validate and run one stage; print its result as JSON."""
-    import importlib
-
-    from pipelines.core.stage_config import parse_overrides
-
-    from pipelines.spec import _MODULES
-
-    stage = importlib.import_module(_MODULES[module])
-    cfg = stage.load_config(config, **parse_overrides(sets))
+def _run_stage(kind: str, config: str, sets: list[str], ray_address: Optional[str]) -> None:
+    """Load, validate and run one stage from its config file; print its result as JSON."""
+    stage = STAGES[kind]
+    cfg = load_stage_config(stage.config_model, kind, config, parse_overrides(sets))
     _log_progress()
-    run = getattr(stage, f"run_{module}")
-    result = run(cfg, ray_address=ray_address) if uses_ray else run(cfg)
+    result = stage.run(cfg, ray_address=ray_address) if stage.takes_ray_address else stage.run(cfg)
     typer.echo(result.model_dump_json())
 
 
@@ -287,7 +218,7 @@ def video_features(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: 
 @app.command("evaluate")
 def evaluate(config: str = _CONFIG, sets: list[str] = _SETS) -> None:
     """Few-shot linear evaluation (1/5/10/25-shot) of a pretrained model's frozen features."""
-    _run_stage("evaluate", config, sets, None, uses_ray=False)
+    _run_stage("evaluate", config, sets, None)
 
 
 def _exit_if_failed(result: Any) -> None:
@@ -308,8 +239,8 @@ def run(
     force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
-    from pipelines.runner import run_pipeline
-    from pipelines.spec import load_spec
+    from pipelines.runner import run_pipeline  # deferred: the runner imports MLflow
+    from pipelines.spec import load_spec  # deferred: the spec imports MLflow (core.tracking)
 
     pipeline_spec = load_spec(spec, sets)
     _log_progress()
@@ -326,7 +257,7 @@ def demo(
     video: bool = typer.Option(False, "--video", help="The video demo: a VTN on the pretrained ViT, on generated videos."),
 ) -> None:
     """Pretrain on synthetic fractals, fine-tune on digits from it and from scratch, and compare (local, ~15 min)."""
-    from pipelines.demo import run_demo
+    from pipelines.demo import run_demo  # deferred: the demo imports MLflow
 
     _log_progress()
     result, comparison = run_demo(workdir, sets, video=video)
@@ -342,7 +273,7 @@ def runs(
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="Default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."),
 ) -> None:
     """A table of pipeline runs in the MLflow store."""
-    from pipelines.runner import format_table, pipeline_runs
+    from pipelines.runner import format_table, pipeline_runs  # deferred: the runner imports MLflow
 
     rows = pipeline_runs(tracking_uri)
     if not rows:
@@ -363,47 +294,37 @@ def submit(
     force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec as a Ray job on a cluster; prints the job id."""
-    from pipelines import jobs
-    from pipelines.runner import check_forced
-    from pipelines.spec import load_spec
+    from pipelines.runner import check_forced  # deferred: the runner imports MLflow
+    from pipelines.spec import load_spec  # deferred: the spec imports MLflow (core.tracking)
 
     check_forced(load_spec(spec, sets), force)  # a bad spec fails here, not minutes later on the cluster
-    command = ["run", _job_path(spec), *[arg for s in sets for arg in ("--set", s)],
-               *[arg for name in force for arg in ("--force", name)]]
-    job_id = jobs.submit(address, command)
-    typer.echo(job_id)
-    if wait:
-        _follow(address, job_id)
+    _submit(address, ["run", jobs.job_path(spec), *_repeat("--set", sets), *_repeat("--force", force)], wait)
+
+
+_FROM_FILE = [kind for kind, s in STAGES.items() if s.from_file]  # the kinds `vitpipe stage` runs
 
 
 @app.command("stage")
 def stage(
-    kind: str = typer.Argument(..., help="pretrain, finetune, evaluate, video_features or video_train."),
+    kind: str = typer.Argument(..., help=f"{', '.join(_FROM_FILE[:-1])} or {_FROM_FILE[-1]}."),
     config: str = _CONFIG,
     sets: list[str] = _SETS,
     address: Optional[str] = typer.Option(None, "--address", help="Submit as a Ray job to this cluster's dashboard."),
     wait: bool = typer.Option(False, "--wait", help="With --address: follow the job until it ends."),
 ) -> None:
     """Run one stage alone: here, or with --address as a Ray job of its own (several can queue on one cluster)."""
-    if kind not in ("pretrain", "finetune", "evaluate", "video_features", "video_train"):
-        raise ValueError(f"stage kind {kind!r} is not one of pretrain, finetune, evaluate, video_features, video_train")
+    if kind not in _FROM_FILE:
+        raise ValueError(f"stage kind {kind!r} is not one of {', '.join(_FROM_FILE)}")
     if address is None:
-        _run_stage(kind, config, sets, None, uses_ray=kind != "evaluate")
+        _run_stage(kind, config, sets, None)
         return
-    from pipelines import jobs
-
     command = kind.replace("_", "-")  # the subcommand that runs this kind
-    job_id = jobs.submit(address, [command, _job_path(config), *[arg for s in sets for arg in ("--set", s)]])
-    typer.echo(job_id)
-    if wait:
-        _follow(address, job_id)
+    _submit(address, [command, jobs.job_path(config), *_repeat("--set", sets)], wait)
 
 
 @app.command("status")
 def status(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
     """A submitted job's status."""
-    from pipelines import jobs
-
     typer.echo(jobs.status(address, job_id))
 
 
@@ -411,8 +332,6 @@ def status(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
 def logs(job_id: str = typer.Argument(...), address: str = _ADDRESS,
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
     """A submitted job's output."""
-    from pipelines import jobs
-
     if follow:
         _follow(address, job_id)
     else:
@@ -422,25 +341,23 @@ def logs(job_id: str = typer.Argument(...), address: str = _ADDRESS,
 @app.command("stop")
 def stop(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
     """Stop a submitted job."""
-    from pipelines import jobs
-
     typer.echo("stopping" if jobs.stop(address, job_id) else "not running")
 
 
-def _job_path(path: str) -> str:
-    """`path` as the job sees it: relative to the uploaded project when inside it, else as given
-    (an absolute path is then the cluster's: a shared filesystem, or a local cluster)."""
-    from pipelines.jobs import PROJECT_ROOT
+def _repeat(flag: str, values: list[str]) -> list[str]:
+    """`--set`, ["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]."""
+    return [arg for value in values for arg in (flag, value)]
 
-    resolved = Path(path).resolve()
-    if resolved.is_relative_to(PROJECT_ROOT):
-        return str(resolved.relative_to(PROJECT_ROOT))
-    return str(resolved)
+
+def _submit(address: str, command: list[str], wait: bool) -> None:
+    """Submit `vitpipe <command...>` as a Ray job and print its id; with `wait`, follow it to its end."""
+    job_id = jobs.submit(address, command)
+    typer.echo(job_id)
+    if wait:
+        _follow(address, job_id)
 
 
 def _follow(address: str, job_id: str) -> None:
-    from pipelines import jobs
-
     for chunk in jobs.follow(address, job_id):
         typer.echo(chunk, nl=False)
     final = jobs.status(address, job_id)
@@ -449,9 +366,5 @@ def _follow(address: str, job_id: str) -> None:
         raise typer.Exit(1)
 
 
-def main() -> None:  # pragma: no cover - console entry for `python -m pipelines.cli`
+if __name__ == "__main__":  # pragma: no cover - `python -m pipelines.cli`, as Ray jobs run it
     app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelines.core.cluster import connect
+from pipelines.corpora.images import export_digits, synth_corpus
+from pipelines.corpora.videos import synth_video_corpus
 from pipelines.runner import PipelineResult, run_pipeline
 from pipelines.spec import PipelineSpec, load_spec
 
@@ -40,13 +42,9 @@ def _write_once(path: Path, write: Callable[[], object]) -> None:
 
 def _write_corpora(workdir: Path, video: bool = False) -> None:
     """The demo's corpora under `workdir/corpus`, each written once: fractals, and the digits or the videos."""
-    from pipelines.corpora.images import export_digits, synth_corpus
-
     corpus = workdir / "corpus"
     _write_once(corpus / "fractals", lambda: synth_corpus(str(corpus / "fractals"), seed=0, **FRACTALS))
     if video:
-        from pipelines.corpora.videos import synth_video_corpus
-
         _write_once(corpus / "videos", lambda: synth_video_corpus(str(corpus / "videos"), seed=0, **VIDEOS))
     else:
         _write_once(corpus / "digits", lambda: export_digits(str(corpus / "digits"), size=DIGITS_SIZE))

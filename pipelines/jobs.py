@@ -86,6 +86,15 @@ def submit(address: str, command: Sequence[str], *, job_id: str | None = None, e
             time.sleep(2)
 
 
+def job_path(path: str) -> str:
+    """`path` as a job sees it: relative to the uploaded project when inside it, else as given
+    (an absolute path is then the cluster's: a shared filesystem, or a local cluster)."""
+    resolved = Path(path).resolve()
+    if resolved.is_relative_to(PROJECT_ROOT):
+        return str(resolved.relative_to(PROJECT_ROOT))
+    return str(resolved)
+
+
 def status(address: str, job_id: str) -> str:
     """The job's status: PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED."""
     return str(_call(address, f"job {job_id}", _client(address).get_job_status, job_id).value)
@@ -116,4 +125,4 @@ def follow(address: str, job_id: str, poll_s: float = 1.0) -> Iterator[str]:
         time.sleep(poll_s)
 
 
-__all__ = ["JobError", "TERMINAL", "follow", "logs", "status", "stop", "submit"]
+__all__ = ["JobError", "TERMINAL", "follow", "job_path", "logs", "status", "stop", "submit"]

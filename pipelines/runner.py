@@ -22,7 +22,8 @@ from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
-from pipelines.spec import INGEST_KINDS, PipelineSpec
+from pipelines.spec import PipelineSpec
+from pipelines.stages import STAGES
 
 logger = logging.getLogger("vitpipe.runner")
 
@@ -73,74 +74,6 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def _key_metric(kind: str, result: Any) -> str:
-    if kind == "video_features":
-        return f"videos={result.counts['videos']} feature_dim={result.manifest['feature_dim']}"
-    if kind in INGEST_KINDS:
-        noun = "videos" if kind == "video_ingest" else "images"
-        return f"{noun}={result.counts[noun]} rejected={result.counts['rejected']}"
-    if kind == "pretrain":
-        top1 = result.metrics.get("val_top1")
-        return f"val_top1={top1:.4f}" if top1 is not None else f"train_loss={result.metrics.get('train_loss', float('nan')):.4f}"
-    if kind == "finetune":
-        return f"test_accuracy={result.test_accuracy:.4f}" if result.test_accuracy is not None else ""
-    if kind == "evaluate":
-        return " ".join(f"{k}-shot={v:.3f}" for k, v in sorted(result.accuracy.items()))
-    if kind == "video_train":
-        return " ".join(f"{key}={result.metrics[key]:.4f}" for key in ("full_video_top1", "multiview_top1")
-                        if key in result.metrics)
-    return ""
-
-
-def _reused(kind: str, result: Any) -> bool:
-    return bool(result.skipped if kind in INGEST_KINDS else result.reused)
-
-
-def _run_ingest_stage(kind: str, config: Any, client: Any, experiment: str, parent_run_id: str,
-                      forced: str = "") -> tuple[Any, str]:
-    """Ingests (and the video features stage) have no tracking of their own: the runner records each as a
-    child run with its manifest."""
-    if kind == "video_ingest":
-        from pipelines.video.ingest import run_video_ingest as run
-    elif kind == "video_features":
-        from pipelines.video.features import run_video_features as run
-    else:
-        from pipelines.image.ingest import run_ingest as run
-
-    result = run(config, force=bool(forced))
-    manifest = result.manifest
-    identity = {"output": config.output, "content_hash": manifest.get("content_hash", "")}
-    digest = tracking.config_hash({**identity, "forced": forced} if forced else identity)
-    run_id, previous = tracking.start_stage_run(
-        client, experiment, kind, digest, run_name=f"{kind}-{digest[:12]}", parent_run_id=parent_run_id,
-        tags={"vitpipe.data_uri": strip_userinfo(config.output),
-              "vitpipe.manifest_hash": str(manifest.get("content_hash", ""))},
-    )
-    if previous != "FINISHED":
-        tracking.log_params(client, run_id, config.model_dump(mode="json"))
-        tracking.log_dict_artifact(client, run_id, manifest, "manifest.json")
-        tracking.end_run(client, run_id, ok=True)
-    return result, run_id
-
-
-def _run_stage(kind: str, config: Any, ray_address: str | None) -> Any:
-    if kind == "pretrain":
-        from pipelines.image.pretrain import run_pretrain
-
-        return run_pretrain(config, ray_address=ray_address)
-    if kind == "finetune":
-        from pipelines.image.finetune import run_finetune
-
-        return run_finetune(config, ray_address=ray_address)
-    if kind == "video_train":
-        from pipelines.video.train import run_video_train
-
-        return run_video_train(config, ray_address=ray_address)
-    from pipelines.image.evaluate import run_evaluate
-
-    return run_evaluate(config)
-
-
 def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
     """The stage names given to `--force`, each checked to be a stage of `spec`."""
     names = set(force)
@@ -164,8 +97,34 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     stamp = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's forced runs
 
     connect(ray_address)
-    tracking_uri = spec.resolved_tracking_uri()
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(spec.resolved_tracking_uri())
+    context = _Context(spec, client, PipelineResult(spec.name, _start_pipeline_run(client, spec)), ray_address)
+    pipeline = context.pipeline
+    for name in spec.order():
+        pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
+    summary = [vars(row) for row in pipeline.rows]
+    tracking.log_dict_artifact(client, pipeline.run_id, {"stages": summary}, "summary.json")
+    client.log_text(pipeline.run_id, pipeline.table() + "\n", "summary.txt")
+    tracking.end_run(client, pipeline.run_id, pipeline.ok)
+    return pipeline
+
+
+@dataclass
+class _Context:
+    """What every stage of one pipeline run shares."""
+
+    spec: PipelineSpec
+    client: Any  # MlflowClient
+    pipeline: PipelineResult  # the rows so far and the finished stages' results
+    ray_address: str | None
+
+    def run_ids(self) -> dict[str, str]:
+        """Finished (done or reused) stage name -> its run id."""
+        return {row.stage: row.run_id for row in self.pipeline.rows if row.status in ("done", "reused")}
+
+
+def _start_pipeline_run(client: Any, spec: PipelineSpec) -> str:
+    """Start (or reopen, for the same resolved spec) the pipeline's parent run; returns its id."""
     resolved = {name: spec.resolved_config(name) for name in spec.order()}
     inputs = {name: [s.ref for s in spec.inputs_of(name)] for name in spec.order()}
     digest = tracking.config_hash({"name": spec.name, "stages": resolved, "inputs": inputs})
@@ -174,48 +133,79 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     )
     if previous != "FINISHED":
         tracking.log_dict_artifact(client, parent, spec.model_dump(mode="json"), "spec.yaml")
-    pipeline = PipelineResult(spec.name, parent)
-    stage_runs: dict[str, str] = {}
-    for name in spec.order():
-        kind = spec.stages[name].kind
-        blocked = [up for up in spec.upstream(name) if up not in pipeline.outputs]
-        if blocked:
-            pipeline.rows.append(StageRow(name, kind, "skipped", error=f"upstream {', '.join(blocked)} did not finish"))
-            continue
-        start = time.monotonic()
-        logger.info("stage %s (%s): starting", name, kind)
-        try:
-            config = spec.config_for(name, pipeline.outputs)
-            forced = stamp if name in forced_stages else ""
-            if kind in INGEST_KINDS:
-                result, run_id = _run_ingest_stage(kind, config, client, spec.experiment, parent, forced)
-            else:
-                update: dict[str, Any] = {"parent_run_id": parent}
-                if forced:  # a new name is a new identity: a new run, new checkpoints, nothing resumed
-                    update["run_name"] = f"{name}-forced-{forced}"
-                ingest_runs = [stage_runs[up] for up in spec.upstream(name) if spec.stages[up].kind in INGEST_KINDS]
-                if kind in ("pretrain", "video_train") and ingest_runs:
-                    update["ingest_run_id"] = ingest_runs[0]
-                result = _run_stage(kind, config.model_copy(update=update), ray_address)
-                run_id = result.run_id
-            upstream = ",".join(f"{up}={stage_runs[up]}" for up in spec.upstream(name))
-            tracking.set_tags(client, run_id, {TAG_STAGE_NAME: name, **({TAG_UPSTREAM: upstream} if upstream else {})})
-        except (VitpipeError, ValueError) as err:
-            message = str(err).splitlines()[0] if str(err) else type(err).__name__
-            logger.error("stage %s failed: %s", name, message)
-            logger.debug("stage %s failed", name, exc_info=True)  # the traceback goes to the command's log file
-            pipeline.rows.append(StageRow(name, kind, "failed", time.monotonic() - start, error=message))
-            continue
-        stage_runs[name] = run_id
-        pipeline.outputs[name] = result
-        status = "reused" if _reused(kind, result) else "done"
-        logger.info("stage %s (%s): %s in %.1fs, run %s", name, kind, status, time.monotonic() - start, run_id)
-        pipeline.rows.append(StageRow(name, kind, status, time.monotonic() - start, _key_metric(kind, result), run_id))
-    summary = [vars(row) for row in pipeline.rows]
-    tracking.log_dict_artifact(client, parent, {"stages": summary}, "summary.json")
-    client.log_text(parent, pipeline.table() + "\n", "summary.txt")
-    tracking.end_run(client, parent, pipeline.ok)
-    return pipeline
+    return parent
+
+
+def _stage_row(context: _Context, name: str, forced: str) -> StageRow:
+    """Run stage `name` (its result goes to the pipeline's outputs) unless an upstream stage did not finish;
+    returns its summary row. `forced` (a timestamp, or empty) makes it run again under a new identity."""
+    spec, pipeline = context.spec, context.pipeline
+    kind = spec.stages[name].kind
+    blocked = [up for up in spec.upstream(name) if up not in pipeline.outputs]
+    if blocked:
+        return StageRow(name, kind, "skipped", error=f"upstream {', '.join(blocked)} did not finish")
+    start = time.monotonic()
+    logger.info("stage %s (%s): starting", name, kind)
+    try:
+        result, run_id = _run_stage(context, name, forced)
+        runs = context.run_ids()
+        upstream = ",".join(f"{up}={runs[up]}" for up in spec.upstream(name))
+        tracking.set_tags(context.client, run_id,
+                          {TAG_STAGE_NAME: name, **({TAG_UPSTREAM: upstream} if upstream else {})})
+    except (VitpipeError, ValueError) as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        logger.error("stage %s failed: %s", name, message)
+        logger.debug("stage %s failed", name, exc_info=True)  # the traceback goes to the command's log file
+        return StageRow(name, kind, "failed", time.monotonic() - start, error=message)
+    pipeline.outputs[name] = result
+    stage = STAGES[kind]
+    status = "reused" if stage.reused(result) else "done"
+    logger.info("stage %s (%s): %s in %.1fs, run %s", name, kind, status, time.monotonic() - start, run_id)
+    return StageRow(name, kind, status, time.monotonic() - start, stage.metric(result), run_id)
+
+
+def _run_stage(context: _Context, name: str, forced: str) -> tuple[Any, str]:
+    """Run one stage on its inputs' outputs; returns its result and its run id."""
+    spec = context.spec
+    kind = spec.stages[name].kind
+    stage = STAGES[kind]
+    config = spec.config_for(name, context.pipeline.outputs)
+    kwargs: dict[str, Any] = {}
+    if stage.takes_force:
+        kwargs["force"] = bool(forced)
+    if stage.takes_ray_address:
+        kwargs["ray_address"] = context.ray_address
+    if stage.shards:
+        result = stage.run(config, **kwargs)
+        return result, _record_shards(context, kind, config, result, forced)
+    update: dict[str, Any] = {"parent_run_id": context.pipeline.run_id}
+    if forced:  # a new name is a new identity: a new run, new checkpoints, nothing resumed
+        update["run_name"] = f"{name}-forced-{forced}"
+    runs = context.run_ids()
+    ingest_runs = [runs[up] for up in spec.upstream(name) if STAGES[spec.stages[up].kind].shards]
+    if stage.takes_ingest_run and ingest_runs:
+        update["ingest_run_id"] = ingest_runs[0]
+    result = stage.run(config.model_copy(update=update), **kwargs)
+    return result, result.run_id
+
+
+def _record_shards(context: _Context, kind: str, config: Any, result: Any, forced: str) -> str:
+    """A stage that writes shards has no tracking of its own: record it as a child run with its manifest."""
+    manifest = result.manifest
+    identity = {"output": config.output, "content_hash": manifest.get("content_hash", "")}
+    digest = tracking.config_hash({**identity, "forced": forced} if forced else identity)
+    client = context.client
+    run_id, previous = tracking.start_stage_run(
+        client, context.spec.experiment, kind, digest, run_name=f"{kind}-{digest[:12]}",
+        parent_run_id=context.pipeline.run_id,
+        tags={"vitpipe.data_uri": strip_userinfo(config.output),
+              "vitpipe.manifest_hash": str(manifest.get("content_hash", ""))},
+    )
+    if previous != "FINISHED":
+        tracking.log_params(client, run_id, config.model_dump(mode="json"))
+        tracking.log_dict_artifact(client, run_id, manifest, "manifest.json")
+        tracking.end_run(client, run_id, ok=True)
+    return run_id
 
 
 def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict[str, str]]:

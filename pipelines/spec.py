@@ -10,10 +10,10 @@
       pretrain: {kind: pretrain, inputs: [corpus], steps: 1200}
 
 A stage is `kind`, `inputs` (upstream stage names, or existing MLflow run ids /
-`runs:/` / `models:/` URIs) and the fields of its kind's config model
-(`pipelines.<kind>.<Kind>Config`). `INPUTS` says which field each input fills
-(e.g. pretrain's `data` from its ingest input, fine-tune's `init` from its
-pretrain input); the pipeline fills `tracking_uri`/`experiment` for every stage
+`runs:/` / `models:/` URIs) and the fields of its kind's config model. The
+stage registry (`pipelines.stages`) says which field each input fills (e.g.
+pretrain's `data` from its ingest input, fine-tune's `init` from its pretrain
+input); the pipeline fills `tracking_uri`/`experiment` for every stage
 and, unless a stage sets them, `endpoint_url`, ingest's `output`
 (`<root>/data/<stage>`) and pretrain/fine-tune's `storage` (`<root>/runs`).
 Everything is checked by `load_spec` before anything runs; a problem is one
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, NoReturn, get_args
+from typing import Any, Literal, NamedTuple, NoReturn
 
+import yaml
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
     field_validator, model_serializer, model_validator,
@@ -41,42 +41,9 @@ from pipelines.core.errors import VitpipeError
 from pipelines.core.stage_config import parse_overrides
 from pipelines.core.storage import parse_uri
 from pipelines.core.tracking import resolve_tracking_uri
+from pipelines.stages import KINDS, RUN, STAGES, Fill
 
-Kind = Literal["ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"]
-KINDS: tuple[str, ...] = get_args(Kind)
-_MODULES = {"ingest": "pipelines.image.ingest", "pretrain": "pipelines.image.pretrain", "finetune": "pipelines.image.finetune",
-            "evaluate": "pipelines.image.evaluate", "video_ingest": "pipelines.video.ingest",
-            "video_features": "pipelines.video.features", "video_train": "pipelines.video.train"}
-RUN = "run"  # the pseudo-kind of an input that is an existing MLflow run or model, not a stage
-
-
-class Fill(NamedTuple):
-    """What an input gives its stage: `field` set from the upstream result's `source` attribute."""
-
-    field: str
-    source: str  # attribute of the upstream stage's result; "ref" = the input string itself
-
-
-# Which config field each input fills, by the stage's kind and the input's kind.
-# A kind missing from a row cannot be an input of that stage.
-INPUTS: dict[str, dict[str, Fill]] = {
-    "ingest": {},
-    "pretrain": {"ingest": Fill("data", "output")},
-    "finetune": {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
-    "evaluate": {
-        "ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-        "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref"),
-    },
-    "video_ingest": {},
-    # Per-frame features of a video ingest output, from the backbone of a pretrain run (or any run/model reference).
-    "video_features": {"video_ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-                       RUN: Fill("init", "ref")},
-    # A VTN's 2-D backbone starts from an image pretrain run (or any run/model reference); its data are
-    # frames (video_ingest) or precomputed features (video_features: the temporal encoder trains alone).
-    "video_train": {"video_ingest": Fill("data", "output"), "video_features": Fill("data", "output"),
-                    "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
-}
-INGEST_KINDS = ("ingest", "video_ingest", "video_features")  # stages that write shards and have no tracking of their own
+Kind = Literal[KINDS]  # type: ignore[valid-type]  # the registry's kinds
 # Fields the pipeline owns (one tracking store and experiment, the runner's parent run): not per stage.
 PIPELINE_OWNED = ("tracking_uri", "experiment", "parent_run_id", "ingest_run_id")
 _TOP_KEYS = ("name", "storage", "tracking_uri", "experiment", "defaults", "stages")
@@ -86,13 +53,6 @@ _RUN_REF = re.compile(r"^([0-9a-f]{32}|runs:/[0-9a-f]{32}(/.*)?|models:/.+)$")
 
 class SpecError(VitpipeError):
     """A spec problem, as one line: `spec FILE: stage 'S' field 'F': cause`."""
-
-
-def config_model(kind: str) -> type[BaseModel]:
-    """The pydantic config model of a stage kind, `pipelines.<kind>.<Kind>Config` (e.g. video_train:
-    `VideoTrainConfig`), imported on first use: the stage modules are heavy."""
-    name = "".join(part.capitalize() for part in kind.split("_")) + "Config"
-    return getattr(importlib.import_module(_MODULES[kind]), name)
 
 
 def is_run_ref(ref: str) -> bool:
@@ -176,7 +136,7 @@ class PipelineSpec(BaseModel):
                 self._fail(f"stage '{name}'", "a stage name is letters, digits, _ or -, starting with a letter, "
                            f"and not one of {', '.join(_TOP_KEYS)}")
         for name, stage in self.stages.items():
-            for ref in stage.inputs:  # missing stages first, then cycles, then kinds (INPUTS alone is acyclic)
+            for ref in stage.inputs:  # missing stages first, then cycles, then kinds (the registry's inputs alone are acyclic)
                 self._input_kind(name, ref)
         self.order()
         for name in self.stages:
@@ -208,9 +168,9 @@ class PipelineSpec(BaseModel):
         return [r.ref for r in self.inputs_of(name) if r.kind != RUN]
 
     def inputs_of(self, name: str) -> list[InputRef]:
-        """Each input of stage `name` with its kind and the field it fills (checked against `INPUTS`)."""
+        """Each input of stage `name` with its kind and the field it fills (checked against the registry's inputs)."""
         stage = self.stages[name]
-        allowed = INPUTS[stage.kind]
+        allowed = STAGES[stage.kind].inputs
         out: list[InputRef] = []
         where = f"stage '{name}' field 'inputs'"
         for ref in stage.inputs:
@@ -239,7 +199,7 @@ class PipelineSpec(BaseModel):
         Fields filled from upstream stages' outputs are absent: the runner adds them (`config_for`).
         """
         stage = self.stages[name]
-        fields = set(config_model(stage.kind).model_fields)
+        fields = set(STAGES[stage.kind].config_model.model_fields)
         config = {**copy.deepcopy(self.defaults.get(stage.kind, {})), **copy.deepcopy(stage.fields)}
         root = self.storage.root
         if "://" not in root:
@@ -288,11 +248,11 @@ class PipelineSpec(BaseModel):
         for key in stage.fields:
             self._check_key(stage.kind, key, f"stage '{name}' field '{key}'")
         config = self.resolved_config(name)
-        model = config_model(stage.kind)
+        model = STAGES[stage.kind].config_model
         filled = {r.fill.field for r in self.inputs_of(name)}
-        for kind, fill in INPUTS[stage.kind].items():
+        for kind, fill in STAGES[stage.kind].inputs.items():
             if fill.field not in config and fill.field not in filled and model.model_fields[fill.field].is_required():
-                hint = f"an {kind} stage in inputs" if kind in INGEST_KINDS else "a pretrain stage or run id in inputs"
+                hint = f"an {kind} stage in inputs" if STAGES[kind].shards else "a pretrain stage or run id in inputs"
                 self._fail(f"stage '{name}' field '{fill.field}'", f"required: set it or name {hint}")
         for ref in self.inputs_of(name):
             if ref.kind != RUN:  # a stand-in: the real value exists only once the upstream stage ran
@@ -301,7 +261,7 @@ class PipelineSpec(BaseModel):
 
     def _validate(self, name: str, config: dict[str, Any]) -> BaseModel:
         try:
-            return config_model(self.stages[name].kind).model_validate(config)
+            return STAGES[self.stages[name].kind].config_model.model_validate(config)
         except ValidationError as err:
             first = err.errors()[0]
             field = ".".join(str(p) for p in first["loc"])
@@ -311,7 +271,7 @@ class PipelineSpec(BaseModel):
     def _check_key(self, kind: str, key: str, where: str) -> None:
         if key in PIPELINE_OWNED:
             self._fail(where, "set by the pipeline for every stage (top-level tracking_uri/experiment), not per stage")
-        known = config_model(kind).model_fields
+        known = STAGES[kind].config_model.model_fields
         if key not in known:
             self._fail(where, f"unknown key for {_a(kind)} stage{_suggest(key, known)}")
 
@@ -379,8 +339,6 @@ def parse_spec(data: Any, source: str = "<spec>", overrides: Sequence[str] = ())
 
 def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> PipelineSpec:
     """Read, override (`--set STAGE.FIELD=VALUE`) and validate a spec file; `SpecError` on any problem."""
-    import yaml
-
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -398,6 +356,6 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Pi
 
 
 __all__ = [
-    "INGEST_KINDS", "INPUTS", "KINDS", "PIPELINE_OWNED", "RUN", "Fill", "InputRef", "Kind", "PipelineSpec", "SpecError",
-    "StageSpec", "StorageSpec", "config_model", "is_run_ref", "load_spec", "parse_spec",
+    "PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec", "is_run_ref",
+    "load_spec", "parse_spec",
 ]

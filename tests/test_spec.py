@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.core.errors import VitpipeError
-from pipelines.spec import INPUTS, PipelineSpec, SpecError, load_spec
+from pipelines.spec import PipelineSpec, SpecError, load_spec
+from pipelines.stages import STAGES
 
 SPECS = Path(__file__).resolve().parent.parent / "pipelines" / "specs"
 
@@ -236,9 +237,10 @@ def test_config_for_fills_inputs_from_upstream_results(tmp_path: Path) -> None:
 
 
 def test_input_table_covers_every_kind() -> None:
-    assert set(INPUTS) == {"ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"}
-    assert INPUTS["pretrain"]["ingest"].field == "data" and INPUTS["finetune"]["pretrain"].field == "init"
-    assert INPUTS["video_train"]["video_ingest"].field == "data" and INPUTS["video_train"]["pretrain"].field == "init"
+    inputs = {kind: stage.inputs for kind, stage in STAGES.items()}
+    assert set(inputs) == {"ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"}
+    assert inputs["pretrain"]["ingest"].field == "data" and inputs["finetune"]["pretrain"].field == "init"
+    assert inputs["video_train"]["video_ingest"].field == "data" and inputs["video_train"]["pretrain"].field == "init"
 
 
 def test_spec_is_a_validated_model(tmp_path: Path) -> None:

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
 
 import vit
+from pipelines.cli import app
 from pipelines.core import shards, tracking
 from pipelines.video import shards as video_shards
 from pipelines.core.errors import VitpipeError
@@ -312,11 +314,10 @@ def test_spec_accepts_a_video_features_stage_and_wires_it_into_video_train(tmp_p
     assert (vtn.data, vtn.init) == (feats.output, run)
 
 
-def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
-    from pipelines.video.features import main
-
+def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     path = tmp_path / "features.yaml"
     path.write_text(f"data: {tmp_path}/videos\noutput: {tmp_path}/features\ninit: {tmp_path}\nnum_workers: 0\n")
-    assert main(["--config", str(path)]) == 1
-    err = capsys.readouterr().err.strip()
+    result = CliRunner().invoke(app, ["video-features", str(path)])
+    assert result.exit_code == 1
+    err = result.stderr.strip()
     assert err.startswith("error: video_features config: num_workers") and "\n" not in err

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
 
 import vit
+from pipelines.cli import app
 from pipelines.core import tracking
 from pipelines.video.data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
 from pipelines.video.eval import ATTENTION_FIGURE, ATTENTION_VALUES, EVAL_TABLE
-from pipelines.video.train import build_initial_model, load_config, main, run_video_train
+from pipelines.video.train import build_initial_model, load_config, run_video_train
 from tests.video_fixtures import (
     FRAMES,
     TEMPORAL,
@@ -257,9 +259,10 @@ def test_bad_config_is_a_one_line_error(tmp_path, change, words):
     assert words in message
 
 
-def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
+def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     path = tmp_path / "video.yaml"
     path.write_text(f"data: {tmp_path}\nbackbone: ViT-Ti/16\nsteps: 10\nfreeze_backbone: maybe\n")
-    assert main(["--config", str(path)]) == 1
-    err = capsys.readouterr().err.strip()
+    result = CliRunner().invoke(app, ["video-train", str(path)])
+    assert result.exit_code == 1
+    err = result.stderr.strip()
     assert err.startswith("error: video_train config: freeze_backbone") and "\n" not in err

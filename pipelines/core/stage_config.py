@@ -3,19 +3,14 @@ overrides, validation at the edge, and one-line errors naming the stage and fiel
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
-
-from pipelines.core.errors import VitpipeError
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -58,28 +53,3 @@ def load_stage_config(
             raise ValueError(f"{stage} config: {message}") from None
         raise ValueError(f"{stage} config: {where}: {message}") from None
 
-
-def stage_main(
-    stage: str,
-    load: Callable[..., BaseModel],
-    run: Callable[..., BaseModel],
-    argv: list[str] | None = None,
-    *,
-    takes_ray_address: bool = True,
-) -> int:
-    """`python -m pipelines.<stage> --config FILE [--ray-address A] [--set KEY=VALUE]...`: prints the result JSON."""
-    parser = argparse.ArgumentParser(prog=f"python -m pipelines.{stage}")
-    parser.add_argument("--config", required=True, help=f"YAML/JSON {stage} config")
-    if takes_ray_address:
-        parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or a local one)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        config = load(args.config, **parse_overrides(args.set))
-        result = run(config, ray_address=args.ray_address) if takes_ray_address else run(config)
-    except (ValueError, VitpipeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(result.model_dump_json())
-    return 0

@@ -9,15 +9,12 @@ Features are computed on the driver in plain PyTorch (no Ray): only the sampled
 support images and the query split are read. The stage is one MLflow run that
 logs the table, a metric per k, and tags linking the run that produced the
 weights and the data manifest.
-
-    python -m pipelines.image.evaluate --config evaluate.yaml
 """
 
 from __future__ import annotations
 
 import os
 import logging
-import sys
 from typing import Any, Literal
 
 import numpy as np
@@ -25,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.core import tracking
-from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import strip_userinfo
 
@@ -283,12 +280,3 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     finally:
         tracking.end_run(client, run_id, ok)
     return _result_from_run(client, run_id, reused=False)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.image.evaluate --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
-    return stage_main("evaluate", load_config, run_evaluate, argv, takes_ray_address=False)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,6 @@ momentum 0.9, no weight decay, cosine decay, gradient clipping at norm 1, batch
 Running the same config again resumes: an interrupted sweep is restored with
 `Tuner.restore` (finished trials are not rerun; unfinished ones continue from
 their last checkpoint) inside the same MLflow run; a finished one is returned.
-
-    python -m pipelines.image.finetune --config finetune.yaml [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -25,13 +23,12 @@ import json
 import logging
 import math
 import os
-import sys
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.core import tracking
-from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
 from pipelines.image.finetune_results import report_sweep
@@ -403,12 +400,3 @@ def _run_sweep(config: FinetuneConfig, ctx: Any, storage_path: str, filesystem: 
             ),
         )
     return tuner.fit()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.image.finetune --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
-    return stage_main("finetune", load_config, run_finetune, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,8 +9,6 @@ Running the same config again resumes: Ray Train finds the latest checkpoint
 under the same `(storage, run name)`, and the unfinished MLflow run tagged with
 the same config hash is reopened, so an execution stays one run however often
 its driver dies. A config whose run already finished is not trained again.
-
-    python -m pipelines.image.pretrain --config pretrain.yaml [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import copy
 import json
 import logging
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pipelines.core import tracking
-from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
@@ -332,12 +329,3 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     finally:
         tracking.end_run(client, run_id, ok)
     return _result_from_run(client, run_id, reused=False)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.image.pretrain --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
-    return stage_main("pretrain", load_config, run_pretrain, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

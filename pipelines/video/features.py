@@ -23,8 +23,6 @@ Columns: `features` (binary, float32 or float16 `(T, D)` C order), `num_frames`
 stored frame's index in the source video), `fps`. A rerun of a finished output
 with the same data, backbone weights and settings does nothing; an interrupted
 run reuses the feature shards it finished (their footers carry a fingerprint).
-
-    python -m pipelines.video.features --config features.yaml [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import json
 import logging
 import os
 import posixpath
-import sys
 import time
 from collections import Counter
 from typing import Any, Literal
@@ -45,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipelines.core import shards, tracking
 from pipelines.video import shards as video_shards
-from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.storage import parse_uri
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
@@ -404,12 +401,3 @@ def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], fram
         "fingerprint": fingerprint,
         "config": public,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.video.features --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
-    return stage_main(STAGE, load_config, run_video_features, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,8 +26,6 @@ across time. This stage
 
 One MLflow run per execution, resumed by config hash as the pretrain stage is
 (`pipelines.image.pretrain`): a rerun of a finished config returns it untouched.
-
-    python -m pipelines.video.train --config video_train.yaml [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
 from typing import Any, Literal
 
@@ -43,7 +40,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipelines.core import tracking
 from pipelines.training.recipe import TrainRecipe
-from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
 from pipelines.video.eval import (
@@ -414,12 +411,3 @@ def _metrics(values: dict[str, float]) -> list[Any]:
 
     now = int(time.time() * 1000)
     return [Metric(k, v, now, 0) for k, v in values.items()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.video.train --config FILE [--set KEY=VALUE]...`; prints the result JSON."""
-    return stage_main(STAGE, load_config, run_video_train, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,69 @@
+"""How a `vitpipe` command fails: one line on stderr naming the cause and where the command's log is, exit status 1.
+
+Every command logs to its own file (`pipelines.core.logfile`); the traceback
+goes there, not to the terminal. Set `VITPIPE_DEBUG=1` to see it raised instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import typer
+from pydantic import ValidationError
+from typer.core import TyperGroup
+
+from pipelines.core.errors import VitpipeError
+from pipelines.core.logfile import ray_logs_dir, start_log_file
+
+
+def one_line(err: BaseException) -> str:
+    """The message a user sees for an error raised by a command."""
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or err.title
+        message = str(first.get("msg", err)).removeprefix("Value error, ")
+        return f"{where}: {message}"
+    return " ".join(str(err).split())
+
+
+class ErrorReportingGroup(TyperGroup):
+    """Turns user-facing errors of any subcommand into `error: <one line>` and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        global _log_file
+        _log_file = start_log_file()
+        try:
+            return super().invoke(ctx)
+        except _CLI_EXITS:
+            raise
+        except Exception as err:
+            if os.environ.get("VITPIPE_DEBUG"):
+                raise
+            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(sys.argv[1:]), exc_info=True)
+            expected = isinstance(err, (VitpipeError, ValidationError, ValueError))
+            # Anything else is a bug or an outage: name its type, keep the first line, the log has the rest.
+            fail(one_line(err) if expected else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}")
+
+
+# Exits and usage errors that the CLI framework reports itself (typer.Exit is a RuntimeError).
+_CLI_EXITS = (typer.Exit, typer.Abort, typer.TyperException, click.exceptions.Exit, click.ClickException, click.Abort)
+_log_file: Path | None = None  # this command's log (pipelines.core.logfile)
+
+
+def fail(message: str) -> None:
+    """Print `error: <message>` and where the details are, and exit with status 1."""
+    where = [f"log: {_log_file}"] if _log_file else []
+    ray_logs = ray_logs_dir()
+    if ray_logs:
+        where.append(f"Ray logs: {ray_logs}")
+        logging.getLogger("vitpipe").debug("Ray logs: %s", ray_logs)
+    typer.echo(f"error: {message}" + (f" ({'; '.join(where)})" if where else ""), err=True)
+    raise typer.Exit(1)
+
+
+__all__ = ["ErrorReportingGroup", "fail", "one_line"]
