@@ -1,7 +1,8 @@
 """vit: Vision Transformer models in plain PyTorch (no Ray, no MLflow).
 
 `create_model(name, **overrides)` builds any registered model by name; families
-register builders with `register_model` (`vit.registry`).
+register builders with `register_model` (`vit.registry`). Model surgery (another
+resolution with a new head, a frozen backbone, a weights hash) is in `vit.surgery`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from vit.longformer import LongformerConfig, LongformerEncoder
 from vit.patches import grid_size, patchify, unpatchify
 from vit.registry import create_model, list_models, register_model
 from vit.resnet import ResNet, ResNetConfig
+from vit.surgery import at_resolution, freeze_backbone, weights_hash
 from vit.vtn import VTN, VTNConfig, create_vtn  # imported here so its presets register with `vit.registry`
 from vit.weights import load_checkpoint, load_pretrained, register_arch, save_checkpoint
 
@@ -26,8 +28,10 @@ __all__ = [
     "ResNetStemConfig",
     "ViTConfig",
     "VisionTransformer",
+    "at_resolution",
     "create_model",
     "decode_variant",
+    "freeze_backbone",
     "grid_size",
     "is_vit_name",
     "list_models",
@@ -39,4 +43,5 @@ __all__ = [
     "register_model",
     "save_checkpoint",
     "unpatchify",
+    "weights_hash",
 ]
