@@ -57,14 +57,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from longformer_attention import MEASURE_ENV, _rss_kib, run_script  # noqa: E402  (the same memory method)
+from vit.vtn import create_vtn  # noqa: E402
 
 IMAGE, WIDE, CLASSES, CLIP_FRAMES, FULL_FRAMES, CHUNK = 64, 72, 10, 16, 250, 64
 ENCODERS = ("longformer", "dense", "dense_materialised")
 
 
 def build_model(encoder: str = "longformer", clip_frames: int = CLIP_FRAMES) -> nn.Module:
-    from vit.vtn import create_vtn
-
     torch.manual_seed(0)
     model = create_vtn("ViT-Ti-VTN", backbone_overrides={"image_size": IMAGE}, num_classes=CLASSES,
                        num_frames=clip_frames).eval()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +11,7 @@ import torch
 import vit
 from pipelines.image.finetune import FinetuneConfig, default_batch_size, load_config
 from pipelines.image.finetune_data import MemoryRows, augment_config, decode_batch, in_holdout, memory_batches
-from pipelines.image.finetune_trial import TrialSettings, at_resolution, build_finetune_optimizer, freeze_backbone
+from pipelines.image.finetune_trial import TrialSettings, build_finetune_optimizer
 from pipelines.training.starting_weights import fetch_starting_weights, init_kind
 from pipelines.training.step import TrainStep, build_scheduler
 
@@ -33,34 +32,9 @@ def settings(**overrides) -> TrialSettings:
 # ---------------------------------------------------------------- the model
 
 
-def test_at_resolution_interpolates_position_embeddings_like_the_model_does_at_call_time():
-    base = tiny()
-    model = at_resolution(base, 32, 10)
-    images = torch.randn(2, 3, 32, 32)
-    assert model.pos_embed.shape == (1, 1 + 64, 32)  # 8x8 grid + class token
-    expected = base.pooled_features(images)  # the 4x4-grid model resamples on the fly for 32x32 inputs
-    torch.testing.assert_close(model.pooled_features(images), expected)
-
-
-def test_at_resolution_resamples_row_and_column_tables_of_2d_embeddings():
-    base = tiny(pos_embed="learned_2d")
-    model = at_resolution(base, 32, 10)
-    assert model.pos_embed_row.shape == (8, 16) and model.pos_embed_col.shape == (8, 16)
-    images = torch.randn(2, 3, 32, 32)
-    torch.testing.assert_close(model.pooled_features(images), base.pooled_features(images))
-
-
-def test_the_new_head_is_zero_initialised_for_the_new_classes():
-    model = at_resolution(tiny(), 32, 10)
-    assert model.head.out_features == 10
-    assert torch.count_nonzero(model.head.weight) == 0 and torch.count_nonzero(model.head.bias) == 0
-    logits = model(torch.randn(3, 3, 32, 32))
-    torch.testing.assert_close(torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2])), torch.tensor(math.log(10)))
-
-
 def test_a_frozen_backbone_trains_only_the_head():
-    model = at_resolution(tiny(), 16, 4)
-    freeze_backbone(model)
+    model = vit.at_resolution(tiny(), 16, 4)
+    vit.freeze_backbone(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     s = settings(image_size=16, num_classes=4, freeze_backbone=True)
     optimizer = build_finetune_optimizer(model, s)

@@ -25,11 +25,18 @@ from pipelines.cli import app
 from pipelines.core import shards, tracking
 from pipelines.video import shards as video_shards
 from pipelines.core.errors import VitpipeError
-from pipelines.video.feature_data import MULTIVIEW_NOTE, _feature_clip_batch, read_training_manifest
+from pipelines.video.feature_data import (
+    FORMAT,
+    MULTIVIEW_NOTE,
+    FeaturePredictor,
+    _feature_clip_batch,
+    decode_features,
+    read_training_manifest,
+)
 from pipelines.video.data import ClipSpec, _clip_batch, iter_videos, read_video_manifest
-from pipelines.video.features import FORMAT, FrameFeatures, decode_features, load_config, run_video_features
+from pipelines.video.features import FrameFeatures, load_config, run_video_features
 from pipelines.video.eval import frame_views
-from pipelines.video.train import build_initial_model
+from pipelines.video.model import build_initial_model
 from pipelines.video.train import load_config as load_train_config
 from pipelines.video.train import run_video_train
 from tests.video_fixtures import (
@@ -95,7 +102,7 @@ def stored_rows(output: str) -> list[dict]:
 def test_stored_features_equal_vtn_frame_features_of_the_prepared_frames(extracted, video_data, backbone_run):
     config, result = extracted
     manifest = result.manifest
-    model = build_initial_model(config.train_view(), len(CLASSES), backbone_run["tracking_uri"]).model.eval()
+    model = build_initial_model(config.model_spec(), len(CLASSES), backbone_run["tracking_uri"]).model.eval()
     stored = {row["key"]: decode_features(row) for row in stored_rows(result.output)}
     checked = 0
     for split in shards.SPLITS:
@@ -163,7 +170,7 @@ def source_and_feature_tables(video_data: str, output: str):
 
 def test_float16_features_match_float32_within_half_precision(extracted, video_data):
     config, result = extracted
-    model = build_initial_model(config.train_view(), len(CLASSES), config.tracking_uri).model
+    model = build_initial_model(config.model_spec(), len(CLASSES), config.tracking_uri).model
     source, _ = source_and_feature_tables(video_data, result.output)
     half = FrameFeatures([model], 32, 16, False, "float16", 1)(source)  # the actors' UDF, called here
     full = {row["key"]: decode_features(row) for row in stored_rows(result.output)}
@@ -183,8 +190,6 @@ def test_feature_clips_take_the_frames_seeded_frame_clips_take(extracted, video_
 
 
 def test_both_evaluation_modes_on_features_give_what_the_vtn_gives_on_the_frames(extracted, video_data, backbone_run):
-    from pipelines.video.feature_data import FeaturePredictor
-
     _, result = extracted
     config = train_config(result.output, backbone_run, train_frames=3, multiview_clips=4, full_video_frames=6)
     model = build_initial_model(config, len(CLASSES), backbone_run["tracking_uri"]).model.eval()

@@ -24,7 +24,8 @@ from pipelines.cli import app
 from pipelines.core import tracking
 from pipelines.video.data import ClipSpec, clip_dataset, read_video_manifest, sample_clip_indices
 from pipelines.video.eval import ATTENTION_FIGURE, ATTENTION_VALUES, EVAL_TABLE
-from pipelines.video.train import build_initial_model, load_config, run_video_train
+from pipelines.video.model import build_initial_model
+from pipelines.video.train import load_config, run_video_train
 from tests.video_fixtures import (
     FRAMES,
     TEMPORAL,

@@ -11,6 +11,7 @@ from transformers import ViTConfig as HFViTConfig
 from transformers import ViTForImageClassification
 
 from vit import ViTConfig, create_model, decode_variant, list_models, register_model
+from vit.registry import _MODELS
 
 # (layers, hidden D, MLP size, heads) from ViT Table 1 and DeiT Table 1.
 TABLE_1 = {
@@ -88,8 +89,6 @@ def test_new_model_families_can_register_a_builder():
         assert create_model("Test-Linear", n=5).in_features == 5
         assert "Test-Linear" in list_models()
     finally:
-        from vit import _MODELS
-
         _MODELS.pop("Test-Linear")
 
 

@@ -1,62 +1,21 @@
 """vit: Vision Transformer models in plain PyTorch (no Ray, no MLflow).
 
 `create_model(name, **overrides)` builds any registered model by name; families
-register builders with `register_model` (the ViT presets and "ResNet-50" here).
+register builders with `register_model` (`vit.registry`). Model surgery (another
+resolution with a new head, a frozen backbone, a weights hash) is in `vit.surgery`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-from torch import nn
-
-from vit.config import PRESET_NAMES, ResNetStemConfig, ViTConfig, decode_variant, is_vit_name, preset_config
+from vit.config import ResNetStemConfig, ViTConfig, decode_variant, is_vit_name, preset_config
 from vit.model import VisionTransformer
+from vit.longformer import LongformerConfig, LongformerEncoder
 from vit.patches import grid_size, patchify, unpatchify
-from vit.resnet import ResNet, ResNetConfig, resnet50
+from vit.registry import create_model, list_models, register_model
+from vit.resnet import ResNet, ResNetConfig
+from vit.surgery import at_resolution, freeze_backbone, weights_hash
+from vit.vtn import VTN, VTNConfig, create_vtn  # imported here so its presets register with `vit.registry`
 from vit.weights import load_checkpoint, load_pretrained, register_arch, save_checkpoint
-
-# name -> builder(**overrides); names here are what `list_models` shows.
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
-
-
-def register_model(name: str, builder: Callable[..., nn.Module]) -> None:
-    """Register `builder(**overrides) -> nn.Module` under `name` for `create_model`."""
-    _MODELS[name] = builder
-
-
-def list_models() -> list[str]:
-    """Names `create_model` knows (any "ViT-<size>/<patch>" also works)."""
-    return sorted(_MODELS)
-
-
-def create_model(name: str, **overrides: Any) -> nn.Module:
-    """Build a model by preset name, e.g. `create_model("ViT-B/16", num_classes=10, image_size=384)`.
-
-    Every config field can be overridden by keyword; an unknown name or field is a ValueError.
-    """
-    if name in _MODELS:
-        return _MODELS[name](**overrides)
-    if is_vit_name(name):  # decodable but unlisted, e.g. "ViT-S/8"
-        return VisionTransformer(preset_config(name, **overrides))
-    known = ", ".join(list_models())
-    raise ValueError(f"unknown model {name!r}; known models: {known} (or any 'ViT-<size>/<patch>')")
-
-
-def _vit_builder(name: str) -> Callable[..., nn.Module]:
-    def build(**overrides: Any) -> nn.Module:
-        return VisionTransformer(preset_config(name, **overrides))
-
-    return build
-
-
-for _name in PRESET_NAMES:
-    register_model(_name, _vit_builder(_name))
-register_model("ResNet-50", lambda **overrides: resnet50(**overrides))
-
-# Families below register themselves with the registry above when imported.
-from vit.longformer import LongformerConfig, LongformerEncoder  # noqa: E402
-from vit.vtn import VTN, VTNConfig, create_vtn  # noqa: E402
 
 __all__ = [
     "VTN",
@@ -69,8 +28,10 @@ __all__ = [
     "ResNetStemConfig",
     "ViTConfig",
     "VisionTransformer",
+    "at_resolution",
     "create_model",
     "decode_variant",
+    "freeze_backbone",
     "grid_size",
     "is_vit_name",
     "list_models",
@@ -82,4 +43,5 @@ __all__ = [
     "register_model",
     "save_checkpoint",
     "unpatchify",
+    "weights_hash",
 ]

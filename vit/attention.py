@@ -94,6 +94,25 @@ def _block_size(radius: int, length: int) -> int:
     return max(1, min(max(radius, _MIN_BLOCK), length))
 
 
+def _key_spans(k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor, *, r: int, c: int, d: int, nb: int,
+               total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query block's keys and values `(B, d, nb, H, span, D)` and which it may use `(B, d, nb, c, span)`.
+
+    Pads r positions (per subsequence) on both sides, then takes each block's span of c + 2r keys.
+    """
+    bsz, n, heads, dim = k.shape
+    span = c + 2 * r
+
+    def spans(x: torch.Tensor) -> torch.Tensor:  # (B, nb, d, H, D, span) -> (B, d, nb, H, span, D)
+        x = F.pad(x, (0, 0, 0, 0, r * d, total - n + r * d)).view(bsz, nb * c + 2 * r, d, heads, dim)
+        return x.unfold(1, span, c).permute(0, 2, 1, 3, 5, 4)
+
+    ok = F.pad(key_ok, (r * d, total - n + r * d), value=False).view(bsz, nb * c + 2 * r, d)
+    ok = ok.unfold(1, span, c).permute(0, 2, 1, 3)  # (B, d, nb, span)
+    offset = torch.arange(span, device=k.device)[None, :] - r - torch.arange(c, device=k.device)[:, None]
+    return spans(k), spans(v), (offset.abs() <= r) & ok[:, :, :, None, :]
+
+
 def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,25 +142,12 @@ def local_attention(
     r = min(radius, max(m - 1, 0))  # a radius past the sequence adds nothing
     c = _block_size(r, m)
     nb = -(-m // c)
-    span = c + 2 * r
     total = nb * c * d
-    mask_value = _mask_value(q.dtype)
 
     # Queries: (B, nb, c, d, H, D) -> (B·d·nb, H, c, D).
     qs = F.pad(q, (0, 0, 0, 0, 0, total - n)).view(bsz, nb, c, d, heads, dim)
     qs = qs.permute(0, 3, 1, 4, 2, 5).reshape(bsz * d * nb, heads, c, dim)
-
-    # Keys and values: pad r positions (per subsequence) on both sides, then take
-    # each block's span of c + 2r keys: (B, nb, d, H, D, span) -> (B, d, nb, H, span, D).
-    def spans(x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(x, (0, 0, 0, 0, r * d, total - n + r * d)).view(bsz, nb * c + 2 * r, d, heads, dim)
-        return x.unfold(1, span, c).permute(0, 2, 1, 3, 5, 4)
-
-    ks, vs = spans(k), spans(v)
-    ok = F.pad(key_ok, (r * d, total - n + r * d), value=False).view(bsz, nb * c + 2 * r, d)
-    ok = ok.unfold(1, span, c).permute(0, 2, 1, 3)  # (B, d, nb, span)
-    offset = torch.arange(span, device=q.device)[None, :] - r - torch.arange(c, device=q.device)[:, None]
-    allowed = (offset.abs() <= r) & ok[:, :, :, None, :]  # (B, d, nb, c, span)
+    ks, vs, allowed = _key_spans(k, v, key_ok, r=r, c=c, d=d, nb=nb, total=total)
 
     num_global = 0 if global_k is None else global_k.shape[1]
     if num_global:
@@ -150,10 +156,10 @@ def local_attention(
         vs = torch.cat([vs, global_v.permute(0, 2, 1, 3)[:, None, None].expand(expand)], dim=4)
         g_ok = global_ok[:, None, None, None, :].expand(bsz, d, nb, c, num_global)
         allowed = torch.cat([allowed, g_ok], dim=4)
-    keys = span + num_global
+    keys = allowed.shape[-1]
     ks = ks.reshape(bsz * d * nb, heads, keys, dim)
     vs = vs.reshape(bsz * d * nb, heads, keys, dim)
-    bias = torch.full(allowed.shape, mask_value, dtype=q.dtype, device=q.device).masked_fill_(allowed, 0.0)
+    bias = torch.full(allowed.shape, _mask_value(q.dtype), dtype=q.dtype, device=q.device).masked_fill_(allowed, 0.0)
     bias = bias.view(bsz * d * nb, 1, c, keys)
 
     out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, dropout_p=dropout_p, scale=scale)
@@ -195,6 +201,25 @@ def scatter_rows(out: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, valid
     return out.index_put((b_idx, pos[b_idx, g_idx]), rows[b_idx, g_idx].to(out.dtype))
 
 
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, global_mask: torch.Tensor | None,
+                  global_qkv: tuple[torch.Tensor, ...] | None, padding_mask: torch.Tensor | None) -> None:
+    """One-line ValueErrors for shapes `sliding_window_attention` cannot use."""
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            f"q, k and v must share one shape (B, heads, N, head_dim), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    bsz, _, n, _ = q.shape
+    _check_mask("global_mask", global_mask, bsz, n)
+    _check_mask("padding_mask", padding_mask, bsz, n)
+    if global_qkv is not None:
+        if len(global_qkv) != 3 or any(t.shape != q.shape for t in global_qkv):
+            raise ValueError(
+                f"global_qkv must be three tensors shaped like q {tuple(q.shape)}, got "
+                f"{[tuple(t.shape) for t in global_qkv]}"
+            )
+
+
 def sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -222,20 +247,8 @@ def sliding_window_attention(
     """
     radius = check_window(window)
     dilation = check_dilation(dilation)
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(
-            f"q, k and v must share one shape (B, heads, N, head_dim), got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    _check_inputs(q, k, v, global_mask, global_qkv, padding_mask)
     bsz, _, n, _ = q.shape
-    _check_mask("global_mask", global_mask, bsz, n)
-    _check_mask("padding_mask", padding_mask, bsz, n)
-    if global_qkv is not None:
-        if len(global_qkv) != 3 or any(t.shape != q.shape for t in global_qkv):
-            raise ValueError(
-                f"global_qkv must be three tensors shaped like q {tuple(q.shape)}, got "
-                f"{[tuple(t.shape) for t in global_qkv]}"
-            )
 
     # Work sequence-major, (B, N, H, D): blocks then need no transposes of their own.
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from vit.longformer import LongformerConfig, LongformerEncoder
+from vit.registry import create_model, register_model
+from vit.weights import register_arch
 
 TEMPORAL_POS_EMBEDS = ("learned", "sincos", "none")
 
@@ -201,8 +203,6 @@ class VTN(nn.Module):
 
     @staticmethod
     def _build_backbone(c: VTNConfig) -> nn.Module:
-        from vit import create_model  # here, not at import time: vit/__init__ imports this module
-
         if c.backbone in VTN_PRESETS:
             raise ValueError(f"VTN backbone {c.backbone!r} is a video model, not a 2-D image model")
         try:
@@ -379,9 +379,6 @@ class VTN(nn.Module):
 
 def _register() -> None:
     """Make the presets available to `vit.create_model` and VTNs to `vit.save_checkpoint`."""
-    from vit import register_model
-    from vit.weights import register_arch
-
     register_arch("vtn", VTNConfig, VTN)
     for name in VTN_PRESETS:
         register_model(name, functools.partial(create_vtn, name))

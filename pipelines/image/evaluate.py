@@ -13,18 +13,26 @@ weights and the data manifest.
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+import vit
 from pipelines.core import tracking
-from pipelines.core.stage_config import load_stage_config
 from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import strip_userinfo
+from pipelines.core.stage_config import load_stage_config
+from pipelines.core.stage_run import stage_run
+from pipelines.core.storage import S3Settings, open_store
+from pipelines.core.shards import read_manifest
+from pipelines.image.finetune_data import DataSpec, decode_batch, iter_rows
+from pipelines.core.shards import class_names
+from pipelines.training.starting_weights import fetch_starting_weights, init_kind
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -133,8 +141,6 @@ def _support_pool(data: Any, split: str) -> tuple[list[str], np.ndarray]:
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from pipelines.core.storage import open_store
-
     store = open_store(data.uri, data.settings)
     tables = []
     for entry in data.manifest["shards"]:
@@ -154,9 +160,6 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from pipelines.image.finetune_data import decode_batch
-    from pipelines.core.storage import open_store
-
     store = open_store(data.uri, data.settings)
     wanted = set(keys)
     found: dict[str, tuple[np.ndarray, int]] = {}
@@ -175,9 +178,6 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
 
 def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
     """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
-    from pipelines.image.finetune_data import iter_rows
-    from pipelines.core.shards import class_names
-
     names = class_names(data.manifest)
     for split in {config.query_split, config.support_split}:
         if int(data.manifest.get("counts", {}).get(split, 0)) == 0:
@@ -220,19 +220,8 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> EvaluateResult:
     )
 
 
-def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
-    """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.core.shards import read_manifest
-    from pipelines.image.finetune_data import DataSpec
-    from pipelines.image.finetune_trial import at_resolution
-    from pipelines.training.starting_weights import fetch_starting_weights, init_kind
-    from pipelines.core.storage import S3Settings
-
-    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
-    client = MlflowClient(tracking_uri)
+def _starting_model(config: EvaluateConfig, manifest: dict[str, Any], tracking_uri: str) -> tuple[Any, int]:
+    """The weights to evaluate (`fetch_starting_weights`' result) and the resolution they are evaluated at."""
     overrides = dict(config.model_overrides)
     if init_kind(config.init) in ("scratch", "foreign"):
         overrides.setdefault("image_size", manifest["image_size"])
@@ -244,39 +233,43 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     size = config.resolution or base.config.image_hw[0]
     if size % manifest["patch_size"]:
         raise ValueError(f"resolution {size} is not a multiple of the patch size {manifest['patch_size']}")
+    return start, size
+
+
+def _log_table(client: Any, run_id: str, table: dict[int, list[float]], num_classes: int) -> None:
+    """The few-shot table as metrics (mean and std per k, and chance) and as `fewshot_table.json`."""
+    metrics = {"chance_top1": 1.0 / num_classes}
+    for k, accs in table.items():
+        metrics[f"fewshot_{k}shot_top1"] = float(np.mean(accs))
+        metrics[f"fewshot_{k}shot_top1_std"] = float(np.std(accs))
+    buffer = tracking.MetricBuffer(client, run_id)
+    buffer.add(metrics, 0)
+    buffer.flush()
+    client.log_table(run_id, {
+        "shots": list(table), "top1_mean": [float(np.mean(v)) for v in table.values()],
+        "top1_std": [float(np.std(v)) for v in table.values()], "repeats": [len(v) for v in table.values()],
+    }, "fewshot_table.json")
+    logger.info("evaluate: %s", ", ".join(f"{k}-shot {np.mean(v):.3f}" for k, v in table.items()))
+
+
+def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
+    """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    client = MlflowClient(tracking_uri)
+    start, size = _starting_model(config, manifest, tracking_uri)
     identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
     identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id, resolution=size)
-    digest = tracking.config_hash(identity)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),
     }
-    run_id, previous = tracking.start_stage_run(client, config.experiment, STAGE, digest,
-                                                run_name=config.run_name or f"{STAGE}-{digest[:12]}",
-                                                parent_run_id=config.parent_run_id, tags=tags)
-    if previous == "FINISHED":
-        return _result_from_run(client, run_id, reused=True)
-    ok = False
-    try:
-        tracking.log_params(client, run_id, {**config.model_dump(mode="json"), "resolution": size})
+    with stage_run(client, STAGE, config, identity, tags=tags) as run:
+        if run.finished:
+            return _result_from_run(client, run.run_id, reused=True)
+        run.log_config({**config.model_dump(mode="json"), "resolution": size})
         settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
         data = DataSpec(config.data, manifest, settings)
-        model = at_resolution(base, size, 0)
-        table = few_shot_table(model, data, config, size)
-        chance = 1.0 / len(manifest["classes"])
-        metrics = {"chance_top1": chance}
-        for k, accs in table.items():
-            metrics[f"fewshot_{k}shot_top1"] = float(np.mean(accs))
-            metrics[f"fewshot_{k}shot_top1_std"] = float(np.std(accs))
-        buffer = tracking.MetricBuffer(client, run_id)
-        buffer.add(metrics, 0)
-        buffer.flush()
-        client.log_table(run_id, {
-            "shots": list(table), "top1_mean": [float(np.mean(v)) for v in table.values()],
-            "top1_std": [float(np.std(v)) for v in table.values()], "repeats": [len(v) for v in table.values()],
-        }, "fewshot_table.json")
-        logger.info("evaluate: %s", ", ".join(f"{k}-shot {np.mean(v):.3f}" for k, v in table.items()))
-        ok = True
-    finally:
-        tracking.end_run(client, run_id, ok)
-    return _result_from_run(client, run_id, reused=False)
+        table = few_shot_table(vit.at_resolution(start.model, size, 0), data, config, size)
+        _log_table(client, run.run_id, table, len(manifest["classes"]))
+    return _result_from_run(client, run.run_id, reused=False)

@@ -18,6 +18,7 @@ import vit
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
 from pipelines.core.shards import class_names
+from pipelines.core.registry import register
 
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
@@ -136,19 +137,6 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
         return vit.load_checkpoint(tmp)
 
 
-def register(client: Any, tracking_uri: str, name: str, model_uri: str, run_id: str, tags: dict[str, str],
-             run_tag: str = TAG_FINETUNE_RUN) -> str:
-    """Register `model_uri` as a new version of `name` (once per stage run, marked by `run_tag`); returns the version."""
-    import mlflow
-
-    for version in client.search_model_versions(f"name = '{name}'"):
-        if version.tags.get(run_tag) == run_id:
-            return str(version.version)  # this execution registered it before it was interrupted
-    mlflow.set_tracking_uri(tracking_uri)
-    version = mlflow.register_model(model_uri, name, tags={**tags, run_tag: run_id})
-    return str(version.version)
-
-
 def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_grid: Any, *, metric: str, mode: str,
                  searched: list[str], registry_model: str | None, lineage: dict[str, str]) -> None:
     """Everything after `Tuner.fit`: close the trial runs, plot the sweep, test, log and register the best trial.
@@ -201,7 +189,7 @@ def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_g
     model_uri = tracking.log_torch_model(tracking_uri, run_id, model)
     tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri})
     if registry_model:
-        version = register(client, tracking_uri, registry_model, model_uri, run_id, lineage)
+        version = register(client, tracking_uri, registry_model, model_uri, run_id, lineage, run_tag=TAG_FINETUNE_RUN)
         tracking.set_tags(client, run_id, {"vitpipe.registered_model": registry_model, "vitpipe.registered_version": version})
 
 
@@ -211,7 +199,6 @@ __all__ = [
     "finish_trial_runs",
     "load_trial_model",
     "pick_best",
-    "register",
     "report_sweep",
     "trial_outcomes",
 ]

@@ -16,7 +16,6 @@ the optimizer (SGD with momentum by default, as in the paper) and the reports.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 from dataclasses import dataclass
@@ -71,36 +70,6 @@ class TrialSettings(LoopSettings):
 # ---------------------------------------------------------------- model and optimizer
 
 
-def at_resolution(base: nn.Module, image_size: int, num_classes: int, overrides: dict[str, Any] | None = None) -> nn.Module:
-    """A copy of ViT `base` for `image_size` inputs with a fresh zero-initialised `num_classes` head.
-
-    Learned position embeddings are interpolated to the new grid (paper §3.2)
-    by the model's own call-time resampling; `overrides` may change fields that
-    hold no weights (dropout, drop_path, attn_impl).
-    """
-    import vit
-    from vit.pos_embed import resample_1d
-
-    config = dataclasses.replace(base.config, image_size=image_size, **(overrides or {}))
-    model = vit.VisionTransformer(config)
-    state = {k: v.detach().clone() for k, v in base.state_dict().items()}
-    if config.pos_embed == "learned":
-        with torch.no_grad():
-            state["pos_embed"] = base.position_embeddings(config.grid).detach().clone()
-    elif config.pos_embed == "learned_2d":
-        state["pos_embed_row"] = resample_1d(state["pos_embed_row"], config.grid[0])
-        state["pos_embed_col"] = resample_1d(state["pos_embed_col"], config.grid[1])
-    model.load_state_dict(state)
-    model.replace_head(num_classes)
-    return model
-
-
-def freeze_backbone(model: nn.Module) -> None:
-    """Train the head only (linear probe): every other parameter stops taking gradients."""
-    for name, p in model.named_parameters():
-        p.requires_grad_(name.startswith("head."))
-
-
 def build_finetune_optimizer(model: nn.Module, s: TrialSettings) -> torch.optim.Optimizer:
     """SGD with momentum (the paper's fine-tuning optimizer) or AdamW; weight decay on matrices only."""
     return build_loop_optimizer(model, s)
@@ -130,9 +99,9 @@ def build_trial_model(s: TrialSettings, fs: Any) -> nn.Module:
 
     with tempfile.TemporaryDirectory() as tmp:
         base = vit.load_checkpoint(_download(fs, s.init_checkpoint, tmp))
-    model = at_resolution(base, s.image_size, s.num_classes, s.model_overrides)
+    model = vit.at_resolution(base, s.image_size, s.num_classes, s.model_overrides)
     if s.freeze_backbone:
-        freeze_backbone(model)
+        vit.freeze_backbone(model)
     return model
 
 
@@ -404,10 +373,8 @@ __all__ = [
     "SweepContext",
     "TrainingDivergedError",
     "TrialSettings",
-    "at_resolution",
     "build_finetune_optimizer",
     "finetune_loop_per_worker",
-    "freeze_backbone",
     "latest_checkpoint",
     "run_trial",
 ]

@@ -11,16 +11,20 @@ order ablation).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from pipelines.core.uris import strip_userinfo
+from pipelines.core.errors import VitpipeError
+from pipelines.video.data import iter_videos, normalize_video, prepare_full_video, resize_frames
+from pipelines.video.feature_data import FeaturePredictor, is_features, iter_feature_videos
+from vit.vtn import sample_frame_indices
 
-if TYPE_CHECKING:
-    from pipelines.video.train import VideoTrainConfig
+logger = logging.getLogger(__name__)
 
 EVAL_TABLE = "evaluation/modes.json"
 ATTENTION_FIGURE = "attention/cls_attention_over_frames.png"
@@ -29,8 +33,6 @@ ATTENTION_VALUES = "attention/cls_attention_over_frames.json"
 
 def frame_views(frames: np.ndarray, size: int) -> tuple[Any, Any]:
     """A stored video → `(full frame video (T, 3, h, w), centre square (T, 3, S, S))`, shorter side `size`."""
-    from pipelines.video.data import normalize_video, prepare_full_video, resize_frames
-
     resized = resize_frames(frames, size)  # done once: prepare_full_video leaves a `size` shorter side as it is
     return normalize_video(resized), prepare_full_video(resized, size)
 
@@ -38,7 +40,7 @@ def frame_views(frames: np.ndarray, size: int) -> tuple[Any, Any]:
 class FramePredictor:
     """`evaluate_modes`' predictor on stored frames: the VTN's `predict_full_video` and `predict_multiview`."""
 
-    def __init__(self, model: Any, config: VideoTrainConfig, size: int) -> None:
+    def __init__(self, model: Any, config: Any, size: int) -> None:
         self.model, self.config, self.size = model, config, size
 
     @staticmethod
@@ -63,9 +65,9 @@ class FramePredictor:
                                             clip_frames=c.train_frames, frame_stride=c.clip_stride, crop_size=self.size)
 
 
-def evaluate_modes(model: Any, videos: Iterable[Any], config: VideoTrainConfig, size: int,
+def evaluate_modes(model: Any, videos: Iterable[Any], config: Any, size: int,
                    shuffled: bool = False, predictor: Any = None) -> list[dict[str, Any]]:
-    """Top-1 and wall time of each evaluation mode over `videos`, one row per mode.
+    """Top-1 and wall time of each evaluation mode over `videos`, one row per mode (`config`: a VideoTrainConfig).
 
     Each video runs through every mode in turn, so the modes see the same
     machine load; only the model calls are timed (reading and resizing are
@@ -94,8 +96,6 @@ def evaluate_modes(model: Any, videos: Iterable[Any], config: VideoTrainConfig, 
                 correct[mode] += int(int(probs.argmax(-1)[0]) == row.label)
         count += 1
     if count == 0:
-        from pipelines.core.errors import VitpipeError
-
         raise VitpipeError(f"{strip_userinfo(config.data)}: split {config.eval_split!r} has no videos to evaluate")
     rows = []
     for mode in config.eval_modes:
@@ -128,8 +128,6 @@ def cls_attention(model: Any, frames: np.ndarray, size: int, max_frames: int) ->
     """
     import torch
 
-    from vit.vtn import sample_frame_indices
-
     _, square = frame_views(frames, size)
     idx = sample_frame_indices(len(frames), min(len(frames), max_frames))
     model.eval()
@@ -147,8 +145,6 @@ def log_attention_picture(client: Any, run_id: str, model: Any, videos: list[Any
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from pipelines.video.data import resize_frames
 
     fig, axes = plt.subplots(2 * len(videos), 1, figsize=(9, 2.6 * len(videos)), squeeze=False,
                              gridspec_kw={"height_ratios": [1, 1.4] * len(videos)})
@@ -175,12 +171,9 @@ def log_attention_picture(client: Any, run_id: str, model: Any, videos: list[Any
     return True
 
 
-def evaluation_inputs(config: VideoTrainConfig, manifest: dict[str, Any], model: Any) -> tuple[Any, Any]:
+def evaluation_inputs(config: Any, manifest: dict[str, Any], model: Any) -> tuple[Any, Any]:
     """`(videos(limit) → the eval split's videos, predictor)`: stored frames, or stored features with
     `feature_data.FeaturePredictor` (None: `evaluate_modes`' own frame predictor)."""
-    from pipelines.video.feature_data import FeaturePredictor, is_features, iter_feature_videos
-    from pipelines.video.data import iter_videos
-
     if is_features(manifest):
         def videos(limit: int | None = config.eval_limit) -> Iterable[Any]:
             return iter_feature_videos(config.data, manifest, config.eval_split, endpoint_url=config.endpoint_url,
@@ -193,3 +186,27 @@ def evaluation_inputs(config: VideoTrainConfig, manifest: dict[str, Any], model:
                            limit=limit)
 
     return frame_videos, None
+
+
+def log_evaluation(client: Any, run_id: str, model: Any, config: Any, manifest: dict[str, Any], size: int,
+                   classes: list[str]) -> list[dict[str, Any]]:
+    """Evaluate the final model in `config.eval_modes` (again on shuffled frames with `eval_shuffled`) and log the
+    table (`EVAL_TABLE`), its metrics and, on frames, the [CLS] attention picture; returns the table."""
+    from mlflow.entities import Metric
+
+    videos, predictor = evaluation_inputs(config, manifest, model)
+    table = evaluate_modes(model, videos(), config, size, predictor=predictor)
+    if config.eval_shuffled:
+        table += evaluate_modes(model, videos(), config, size, shuffled=True, predictor=predictor)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in evaluation_metrics(table).items()])
+    client.log_dict(run_id, {"modes": table}, EVAL_TABLE)
+    for row in table:
+        logger.info("video_train: %-10s %-8s top-1 %.3f in %.2fs (%d videos, %d views each)%s", row["mode"],
+                    row["frame_order"], row["top1"], row["wall_s"], row["videos"], row["views_per_video"],
+                    f"; {row['note']}" if row.get("note") else "")
+    if not is_features(manifest):  # the picture shows the frames, which features data does not hold
+        log_attention_picture(client, run_id, model,
+                              list(videos(config.attention_videos)) if config.attention_videos else [],
+                              size, config.full_video_frames, classes)
+    return table

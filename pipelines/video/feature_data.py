@@ -1,7 +1,8 @@
 """Training and evaluating a VTN's temporal encoder on precomputed frame features ("on features alone").
 
-When `video_train`'s `data` is a video features output (`pipelines.video.features`,
-format "vitpipe-video-features/1"), the backbone is frozen and never run:
+When `video_train`'s `data` is a video features output (`pipelines.video.features`
+writes it; its format, "vitpipe-video-features/1", is defined here), the backbone
+is frozen and never run:
 
 * training clips are feature clips `features` float32 `(T, D)`, `frame_positions`
   `(T,)`, `label`, their frames chosen by the same seeded rules as frame clips
@@ -19,35 +20,93 @@ checkpoint runs on raw video as well.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from torch import nn
 
+import vit
 from pipelines.core.datasets import seeded_passes
 from pipelines.core.storage import open_store
-from pipelines.video.data import ClipSpec, clip_rounds, shard_keys
+from pipelines.video import shards as video_shards
+from pipelines.video.data import ClipSpec, check_classes, check_video_manifest, clip_rounds, shard_keys
+from vit.vtn import multiview_clip_indices, sample_frame_indices
 
-COLUMNS = ("features", "num_frames", "dim", "label", "key", "split")  # what training reads
+FORMAT = "vitpipe-video-features/1"
+DTYPES = {"float32": np.float32, "float16": np.float16}
+# A features row stands for one stored video: its per-video columns are the video shard's own.
+SCHEMA = pa.schema(
+    [
+        pa.field("features", pa.binary(), nullable=False),
+        pa.field("num_frames", pa.int32(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        *video_shards.VIDEO_FIELDS,
+    ]
+)
+COLUMNS = tuple(SCHEMA.names)
+TRAIN_COLUMNS = ("features", "num_frames", "dim", "label", "key", "split")  # what training reads
 MULTIVIEW_NOTE = "features of the centre square: multiview_clips clips x 1 crop (crops need pixels)"
 
-__all__ = ["FeatureRow", "FromFrameFeatures", "MULTIVIEW_NOTE", "feature_clip_dataset", "feature_inputs",
-           "features_train_config", "is_features", "iter_feature_videos", "read_training_manifest"]
+__all__ = ["COLUMNS", "FORMAT", "FeatureRow", "FromFrameFeatures", "MULTIVIEW_NOTE", "SCHEMA", "decode_features",
+           "feature_clip_dataset", "feature_inputs", "features_table", "features_train_config", "is_features",
+           "iter_feature_videos", "read_training_manifest", "table_hash"]
+
+
+# ---------------------------------------------------------------- the format
+
+
+def decode_features(row: dict[str, Any], dtype: str = "float32") -> np.ndarray:
+    """The `(T, D)` features of one row as float32 (`dtype`: the manifest's `feature_dtype`)."""
+    data = row["features"]
+    if isinstance(data, pa.Scalar):
+        data = data.as_buffer()
+    values = np.frombuffer(data, dtype=DTYPES[dtype])
+    t, d = int(row["num_frames"]), int(row["dim"])
+    if values.size != t * d:
+        raise ValueError(f"{row.get('key', 'row')}: {values.size} feature values do not make ({t}, {d})")
+    return values.reshape(t, d).astype(np.float32)
+
+
+def features_table(features: list[np.ndarray], labels: list[int], keys: list[str], splits: list[str],
+                   frame_indices: list[Any], fps: list[float]) -> pa.Table:
+    """A feature shard table from per-video `(T, D)` arrays (already in the stored dtype)."""
+    return pa.Table.from_arrays(
+        [
+            pa.array([np.ascontiguousarray(f).tobytes() for f in features], pa.binary()),
+            pa.array([f.shape[0] for f in features], pa.int32()),
+            pa.array([f.shape[1] for f in features], pa.int32()),
+            *video_shards.video_arrays(labels, keys, splits, frame_indices, fps),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def table_hash(table: pa.Table) -> str:
+    """sha256 over a feature shard's rows: keys, labels, splits, frame indices, then the feature bytes."""
+    h = hashlib.sha256()
+    meta = [table.column(name).to_pylist() for name in ("key", "label", "split", "frame_indices", "num_frames", "dim")]
+    h.update(json.dumps(meta).encode())
+    for value in table.column("features").combine_chunks():
+        h.update(value.as_buffer())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- reading and checking
 
 
 def is_features(manifest: dict[str, Any]) -> bool:
     """True when a manifest describes a video features output rather than stored frames."""
-    from pipelines.video.features import FORMAT
-
     return manifest.get("format") == FORMAT
 
 
 def read_training_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a video ingest output or of a video features output; `VitpipeError` (one line) otherwise."""
     from pipelines.core.shards import read_manifest
-    from pipelines.video.data import check_classes, check_video_manifest
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
     return check_classes(uri, manifest) if is_features(manifest) else check_video_manifest(uri, manifest)
@@ -70,10 +129,8 @@ def features_train_config(config: Any, manifest: dict[str, Any]) -> Any:
 
 def check_backbone(model: Any, manifest: dict[str, Any], config: Any) -> None:
     """The VTN's backbone must be the one that computed the features (same weights), or a one-line ValueError."""
-    from pipelines.video.features import weights_hash
-
     made_by = manifest.get("backbone") or {}
-    if weights_hash(model.backbone) != made_by.get("weights_hash"):
+    if vit.weights_hash(model.backbone) != made_by.get("weights_hash"):
         raise ValueError(f"init: the backbone from {config.init} is not the one that computed the features in "
                          f"{config.data} (made by {made_by.get('init')!r}); set init to that")
 
@@ -98,8 +155,6 @@ def feature_inputs(batch: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _decode(table: Any, dtype: str) -> list[np.ndarray]:
-    from pipelines.video.features import decode_features
-
     column = table.column("features").to_pylist()
     counts, dims = table.column("num_frames").to_numpy(), table.column("dim").to_numpy()
     return [decode_features({"features": data, "num_frames": t, "dim": d}, dtype)
@@ -123,7 +178,7 @@ def feature_clip_dataset(uri: str, manifest: dict[str, Any], split: str, spec: C
     filesystem, _ = store.arrow()
     paths = [store.arrow(k)[1] for k in shard_keys(store, manifest, split)]
     kwargs = {"spec": spec, "dtype": manifest.get("feature_dtype", "float32"), "dim": int(manifest["feature_dim"])}
-    return seeded_passes(paths, filesystem, split=split, columns=COLUMNS, shuffle=spec.train, seed=seed, epochs=epochs,
+    return seeded_passes(paths, filesystem, split=split, columns=TRAIN_COLUMNS, shuffle=spec.train, seed=seed, epochs=epochs,
                          decode=_feature_clip_batch, fn_kwargs=kwargs, batch_size=batch_size)
 
 
@@ -183,8 +238,6 @@ class FeaturePredictor:
 
     def __call__(self, mode: str, features: Any) -> Any:
         import torch
-
-        from vit.vtn import multiview_clip_indices, sample_frame_indices
 
         c, total = self.config, len(features)
         if mode == "full_video":

@@ -38,33 +38,28 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+import vit
 from pipelines.core import shards, tracking
-from pipelines.video import shards as video_shards
-from pipelines.core.stage_config import load_stage_config
-from pipelines.core.storage import parse_uri
-from pipelines.core.cluster import connect
+from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import strip_userinfo
+from pipelines.core.cluster import connect
+from pipelines.core.stage_config import load_stage_config
+from pipelines.core.storage import S3Settings, open_store, parse_uri
+from pipelines.training.step import resolve_precision
+from pipelines.video import shards as video_shards
+from pipelines.core.shards import class_names
+from pipelines.video.data import manifest_digest, prepare_full_video, read_video_manifest, shard_keys
+from pipelines.video.feature_data import COLUMNS, DTYPES, FORMAT, SCHEMA, features_table, table_hash
+from pipelines.video.model import FrozenBackbone, InitialModel, build_initial_model, check_backbone_choice
 
 logger = logging.getLogger(__name__)
 STAGE = "video_features"
-FORMAT = "vitpipe-video-features/1"
 PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
-DTYPES = {"float32": np.float32, "float16": np.float16}
-# A features row stands for one stored video: its per-video columns are the video shard's own.
-SCHEMA = pa.schema(
-    [
-        pa.field("features", pa.binary(), nullable=False),
-        pa.field("num_frames", pa.int32(), nullable=False),
-        pa.field("dim", pa.int32(), nullable=False),
-        *video_shards.VIDEO_FIELDS,
-    ]
-)
-COLUMNS = tuple(SCHEMA.names)
 
-__all__ = ["COLUMNS", "FORMAT", "SCHEMA", "VideoFeaturesConfig", "VideoFeaturesResult", "decode_features",
-           "load_config", "read_features_manifest", "run_video_features"]
+__all__ = ["FrameFeatures", "VideoFeaturesConfig", "VideoFeaturesResult", "load_config", "read_features_manifest",
+           "run_video_features"]
 
 
 class VideoFeaturesConfig(BaseModel):
@@ -100,22 +95,13 @@ class VideoFeaturesConfig(BaseModel):
     def _check(self) -> VideoFeaturesConfig:
         if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
             raise ValueError(f"output: {self.output} is the data's own location; features go elsewhere")
-        self.train_view()  # the backbone fields, checked as video_train checks them
+        check_backbone_choice(self.init, self.backbone, self.backbone_overrides)  # as video_train checks them
         return self
 
-    def train_view(self) -> Any:
-        """The video_train config whose `build_initial_model` builds this stage's backbone (frozen)."""
-        from pipelines.video.train import VideoTrainConfig
-
-        fields = dict(data=self.data, init=self.init, backbone=self.backbone, backbone_overrides=self.backbone_overrides,
-                      frame_size=self.frame_size, freeze_backbone=True, steps=1, endpoint_url=self.endpoint_url,
-                      seed=self.seed, tracking_uri=self.tracking_uri,
-                      vtn={"depth": 1, "num_heads": 1})  # the temporal encoder is not used here: the smallest one
-        try:
-            return VideoTrainConfig(**fields)
-        except ValidationError as err:
-            first = err.errors()[0]
-            raise ValueError(str(first["msg"]).removeprefix("Value error, ")) from None
+    def model_spec(self) -> FrozenBackbone:
+        """What `pipelines.video.model.build_initial_model` needs to build this stage's backbone (frozen)."""
+        return FrozenBackbone(init=self.init, backbone=self.backbone, backbone_overrides=self.backbone_overrides,
+                              frame_size=self.frame_size, seed=self.seed, endpoint_url=self.endpoint_url)
 
 
 class VideoFeaturesResult(BaseModel):
@@ -138,63 +124,14 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: An
 # ---------------------------------------------------------------- the format
 
 
-def decode_features(row: dict[str, Any], dtype: str = "float32") -> np.ndarray:
-    """The `(T, D)` features of one row as float32 (`dtype`: the manifest's `feature_dtype`)."""
-    data = row["features"]
-    if isinstance(data, pa.Scalar):
-        data = data.as_buffer()
-    values = np.frombuffer(data, dtype=DTYPES[dtype])
-    t, d = int(row["num_frames"]), int(row["dim"])
-    if values.size != t * d:
-        raise ValueError(f"{row.get('key', 'row')}: {values.size} feature values do not make ({t}, {d})")
-    return values.reshape(t, d).astype(np.float32)
-
-
 def read_features_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a finished video features output; raises `VitpipeError` (one line) otherwise."""
     from pipelines.core.shards import read_manifest
-    from pipelines.core.errors import VitpipeError
 
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
     if manifest.get("format") != FORMAT:
         raise VitpipeError(f"{uri}: not a video features output (format {manifest.get('format')!r}, expected {FORMAT!r})")
     return manifest
-
-
-def features_table(features: list[np.ndarray], labels: list[int], keys: list[str], splits: list[str],
-                   frame_indices: list[Any], fps: list[float]) -> pa.Table:
-    """A feature shard table from per-video `(T, D)` arrays (already in the stored dtype)."""
-    return pa.Table.from_arrays(
-        [
-            pa.array([np.ascontiguousarray(f).tobytes() for f in features], pa.binary()),
-            pa.array([f.shape[0] for f in features], pa.int32()),
-            pa.array([f.shape[1] for f in features], pa.int32()),
-            *video_shards.video_arrays(labels, keys, splits, frame_indices, fps),
-        ],
-        schema=SCHEMA,
-    )
-
-
-def table_hash(table: pa.Table) -> str:
-    """sha256 over a feature shard's rows: keys, labels, splits, frame indices, then the feature bytes."""
-    h = hashlib.sha256()
-    meta = [table.column(name).to_pylist() for name in ("key", "label", "split", "frame_indices", "num_frames", "dim")]
-    h.update(json.dumps(meta).encode())
-    for value in table.column("features").combine_chunks():
-        h.update(value.as_buffer())
-    return h.hexdigest()
-
-
-def weights_hash(module: Any) -> str:
-    """sha256 of a module's state dict (names, dtypes, shapes and values): which backbone made the features."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
 
 
 # ---------------------------------------------------------------- the actors
@@ -215,8 +152,6 @@ class FrameFeatures:
     def features(self, frames: np.ndarray) -> np.ndarray:
         """`(T, D)` features of one stored video's uint8 frames `(T, H, W, 3)`."""
         import torch
-
-        from pipelines.video.data import prepare_full_video
 
         square = prepare_full_video(frames, self.size)
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
@@ -246,11 +181,6 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     one-line ValueError naming the field for a backbone that cannot be built.
     """
     import torch
-
-    from pipelines.core.errors import VitpipeError
-    from pipelines.core.storage import open_store
-    from pipelines.training.step import resolve_precision
-    from pipelines.video.data import manifest_digest, read_video_manifest, shard_keys
 
     start = time.perf_counter()
     source_manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
@@ -300,17 +230,14 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
                                seconds=time.perf_counter() - start)
 
 
-def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The frozen VTN whose backbone computes the features (built by video_train's `build_initial_model`),
+def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[InitialModel, dict[str, Any]]:
+    """The frozen VTN whose backbone computes the features (built as video_train builds its model),
     and the backbone as the manifest records it."""
-    from pipelines.core.shards import class_names
-    from pipelines.video.train import build_initial_model
-
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
-    initial = build_initial_model(config.train_view(), len(class_names(source_manifest)), tracking_uri)
+    initial = build_initial_model(config.model_spec(), len(class_names(source_manifest)), tracking_uri)
     return initial, {
         "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,
-        "overrides": initial.model.config.backbone_overrides, "weights_hash": weights_hash(initial.model.backbone),
+        "overrides": initial.model.config.backbone_overrides, "weights_hash": vit.weights_hash(initial.model.backbone),
         "feature_dim": int(initial.model.backbone.num_features),
     }
 
@@ -354,8 +281,6 @@ def _compute(config: VideoFeaturesConfig, initial: Any, bf16: bool, source: Any,
                 summaries[key] = _write(config, out, key, parts.pop(key), fingerprint)
     missing = sorted(set(keys) - set(summaries))
     if missing:
-        from pipelines.core.errors import VitpipeError
-
         raise VitpipeError(f"{source.child_uri(missing[0])}: {got[missing[0]]} of {expected[missing[0]]} videos came back")
     return summaries
 
@@ -374,8 +299,6 @@ def _write(config: VideoFeaturesConfig, out: Any, key: str, parts: list[pa.Table
 
 def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], frame_size: int, backbone: dict[str, Any],
                        identity: dict[str, Any], fingerprint: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    from pipelines.core.storage import S3Settings
-
     counts = dict(source.get("counts") or {})
     counts["videos"] = sum(s["rows"] for s in summaries)
     counts["frames"] = sum(s["frames"] for s in summaries)

@@ -3,11 +3,12 @@
 VTN (Neimark et al. 2021) runs a 2-D backbone on every frame and a Longformer
 across time. This stage
 
-* builds the VTN: its backbone from an image-pipeline run (`init`: a pretrain
-  run id or `runs:/` URI, a registered model, a checkpoint directory or a
-  timm/HF file, read by `pipelines.training.starting_weights`) or from scratch, frozen
-  or fine-tuned, at the frame size of the clips (learned position embeddings
-  interpolated as for fine-tuning);
+* builds the VTN (`pipelines.video.model`): its backbone from an image-pipeline
+  run (`init`: a pretrain run id or `runs:/` URI, a registered model, a
+  checkpoint directory or a timm/HF file, read by
+  `pipelines.training.starting_weights`) or from scratch, frozen or fine-tuned,
+  at the frame size of the clips (learned position embeddings interpolated as
+  for fine-tuning, `vit.at_resolution`);
 * trains it on Ray Train with the image pipeline's worker loop
   (`pipelines.training.loop`, `modality="video"`: the same steps, checkpoints,
   resume, NaN stop and rank-0 logging), on clips of `train_frames` frames
@@ -24,32 +25,40 @@ across time. This stage
   as a picture, the checkpoints, the learning curve and the MLflow model, and
   registers the model when `registry_model` is set.
 
-One MLflow run per execution, resumed by config hash as the pretrain stage is
-(`pipelines.image.pretrain`): a rerun of a finished config returns it untouched.
+One MLflow run per execution, found again by config hash (`pipelines.core.stage_run`):
+a rerun of a finished config returns it untouched, an interrupted one resumes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import os
-import time
+import tempfile
 from typing import Any, Literal
 
+from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+import vit
 from pipelines.core import tracking
-from pipelines.training.recipe import TrainRecipe
-from pipelines.core.stage_config import load_stage_config
-from pipelines.core.cluster import connect
+from pipelines.core.registry import register
 from pipelines.core.uris import strip_userinfo
-from pipelines.video.eval import (
-    EVAL_TABLE,
-    evaluate_modes,
-    evaluation_inputs,
-    evaluation_metrics,
-    log_attention_picture,
+from pipelines.core.cluster import connect
+from pipelines.core.stage_config import load_stage_config
+from pipelines.core.stage_run import stage_run
+from pipelines.training.recipe import TrainRecipe
+from pipelines.core.shards import class_names
+from pipelines.video.data import ClipSpec, clip_dataset, manifest_digest, split_count, stored_clip_length
+from pipelines.video.eval import EVAL_TABLE, log_evaluation
+from pipelines.video.feature_data import (
+    check_backbone,
+    feature_clip_dataset,
+    features_train_config,
+    is_features,
+    read_training_manifest,
 )
+from pipelines.video.model import InitialModel, build_initial_model, check_backbone_choice, check_vtn_fields
 
 logger = logging.getLogger(__name__)
 STAGE = "video_train"
@@ -59,11 +68,6 @@ MODES = ("full_video", "multiview")
 # Fields that say where to record or how to retry, not what is trained: out of the run identity.
 _NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "ingest_run_id", "max_failures", "registry_model",
                  "torch_threads"}
-# VTNConfig fields this stage sets itself (the rest may be given in `vtn`).
-_MANAGED_VTN_FIELDS = {"backbone", "backbone_overrides", "freeze_backbone", "num_classes", "num_frames",
-                       "temporal_pos_embed"}
-# The spec's names for the temporal position embedding → VTNConfig's.
-_POS_EMBED = {"learned": "learned", "fixed": "sincos", "sincos": "sincos", "none": "none"}
 
 
 class VideoTrainConfig(TrainRecipe):
@@ -110,45 +114,11 @@ class VideoTrainConfig(TrainRecipe):
     @field_validator("vtn")
     @classmethod
     def _vtn(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from vit.longformer import LongformerConfig
-        from vit.vtn import VTNConfig
-
-        valid = {f.name for f in dataclasses.fields(VTNConfig)} - _MANAGED_VTN_FIELDS
-        managed = sorted(set(value) & _MANAGED_VTN_FIELDS)
-        if managed:
-            raise ValueError(f"{managed[0]} is set by the stage's own fields, not in vtn")
-        unknown = sorted(set(value) - valid)
-        if unknown:
-            raise ValueError(f"unknown VTN field(s) {unknown}; valid: {', '.join(sorted(valid))}")
-        try:
-            c = VTNConfig(**value)  # field values checked now, the backbone and widths when the model is built
-            LongformerConfig(hidden_size=c.num_heads, num_heads=c.num_heads, depth=c.depth, ffn_size=1,
-                             window=c.window, dilation=c.dilation)  # windows and dilations per layer
-        except (TypeError, ValueError) as err:
-            raise ValueError(" ".join(str(err).split())) from None
-        return value
+        return check_vtn_fields(value)
 
     @model_validator(mode="after")
     def _check(self) -> VideoTrainConfig:
-        from pipelines.training.starting_weights import init_kind
-
-        if init_kind(self.init) == "scratch" and not self.backbone:
-            raise ValueError("backbone: required when training from scratch (init is none)")
-        if self.backbone:
-            import vit
-
-            from vit.vtn import VTN_PRESETS
-
-            if self.backbone in VTN_PRESETS:
-                raise ValueError(f"backbone {self.backbone!r} is a video model, not a 2-D image model")
-            if vit.is_vit_name(self.backbone):
-                try:
-                    vit.preset_config(self.backbone, **self.backbone_overrides)
-                except (TypeError, ValueError) as err:
-                    raise ValueError(f"backbone {self.backbone!r}: {' '.join(str(err).split())}") from None
-            elif self.backbone not in vit.list_models():
-                raise ValueError(f"backbone {self.backbone!r}: unknown model (a ViT such as 'ViT-B/16', or one of "
-                                 f"{', '.join(m for m in vit.list_models() if m not in VTN_PRESETS)})")
+        check_backbone_choice(self.init, self.backbone, self.backbone_overrides)
         return self
 
 
@@ -171,82 +141,11 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: An
     return load_stage_config(VideoTrainConfig, STAGE, source, overrides)
 
 
-# ---------------------------------------------------------------- the model
-
-
-@dataclasses.dataclass
-class InitialModel:
-    """The VTN training starts from, and where its backbone came from."""
-
-    model: Any  # vit.vtn.VTN
-    frame_size: int
-    backbone_source: str  # "none" (scratch) or the init as given (userinfo stripped)
-    backbone_run_id: str | None  # the MLflow run that produced the backbone, when known
-
-
-def _square_size(image_size: Any, what: str) -> int:
-    if isinstance(image_size, (list, tuple)):
-        if len(set(image_size)) != 1:
-            raise ValueError(f"{what} has non-square image_size {tuple(image_size)}; set frame_size")
-        image_size = image_size[0]
-    return int(image_size)
-
-
-def build_initial_model(config: VideoTrainConfig, num_classes: int, tracking_uri: str) -> InitialModel:
-    """The VTN to train: backbone from `config.init` (at `frame_size`, head removed) or fresh, the rest fresh.
-
-    Raises a one-line ValueError for backbones that do not fit (names, shapes, head count).
-    """
-    import torch
-
-    import vit
-    from vit.vtn import VTN, VTNConfig
-
-    source, run_id, weights = "none", None, None
-    if config.init is not None and config.init.strip().lower() not in ("", "none", "scratch"):
-        from pipelines.image.finetune_trial import at_resolution
-        from pipelines.training.starting_weights import fetch_starting_weights
-
-        start = fetch_starting_weights(
-            config.init, model_name=config.backbone, model_overrides=config.backbone_overrides,
-            tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, seed=config.seed,
-        )
-        size = config.frame_size or _square_size(start.model.config.image_size, f"init {start.source}")
-        backbone = at_resolution(start.model, size, 0)  # position embeddings resampled to the frame grid
-        name = "R50+ViT-B/16" if backbone.config.hybrid is not None else "ViT-B/16"  # every field overridden below
-        overrides = {k: v for k, v in backbone.config.to_dict().items() if k != "num_classes"}
-        source, run_id, weights = start.source, start.source_run_id, backbone.state_dict()
-    else:
-        name = str(config.backbone)
-        overrides = dict(config.backbone_overrides)
-        if config.frame_size is not None and vit.is_vit_name(name):
-            overrides["image_size"] = config.frame_size
-        size = config.frame_size
-        if size is None:
-            if not vit.is_vit_name(name):
-                raise ValueError(f"frame_size: required for backbone {name!r}")
-            size = _square_size(vit.preset_config(name, **overrides).image_size, f"backbone {name!r}")
-    vtn_config = VTNConfig(
-        backbone=name, backbone_overrides=overrides, freeze_backbone=config.freeze_backbone, num_classes=num_classes,
-        num_frames=config.train_frames, temporal_pos_embed=_POS_EMBED[config.temporal_pos_embed], **config.vtn,
-    )
-    torch.manual_seed(config.seed)
-    try:
-        model = VTN(vtn_config)
-    except ValueError as err:
-        raise ValueError(f"vtn: {' '.join(str(err).split())}") from None
-    if weights is not None:
-        model.backbone.load_state_dict(weights)
-    return InitialModel(model, size, source, run_id)
-
-
 # ---------------------------------------------------------------- the stage
 
 
 def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
     """The part of a config (plus the data's content hash) that decides what is trained and evaluated."""
-    from pipelines.video.data import manifest_digest
-
     tree = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
     tree["data_content_hash"] = manifest_digest(manifest)
     return tree
@@ -264,8 +163,6 @@ def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_i
 
 def train_clips(config: VideoTrainConfig, manifest: dict[str, Any]) -> int | None:
     """Training clips per pass over the data: training videos × `clips_per_video` (None when not counted)."""
-    from pipelines.video.data import split_count
-
     videos = split_count(manifest, "train")
     return videos * config.clips_per_video if videos else None
 
@@ -273,9 +170,6 @@ def train_clips(config: VideoTrainConfig, manifest: dict[str, Any]) -> int | Non
 def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int, has_val: bool) -> dict[str, Any]:
     """The Ray Datasets of training clips (random) and validation clips (centred, deterministic): of frames,
     or of stored features when `data` is a video features output."""
-    from pipelines.video.feature_data import feature_clip_dataset, is_features
-    from pipelines.video.data import ClipSpec, clip_dataset, stored_clip_length
-
     def dataset(split: str, spec: ClipSpec, **kw: Any) -> Any:
         if is_features(manifest):
             return feature_clip_dataset(config.data, manifest, split, spec, endpoint_url=config.endpoint_url, **kw)
@@ -292,9 +186,6 @@ def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int,
 
 
 def _result_from_run(client: Any, run_id: str, reused: bool) -> VideoTrainResult:
-    import json
-    import tempfile
-
     run = client.get_run(run_id)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -311,40 +202,24 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> VideoTrainResult
     )
 
 
-def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None) -> VideoTrainResult:
-    """Run (or resume) the stage: build, train, evaluate in both modes, log; returns the run and model URIs."""
-    from mlflow.tracking import MlflowClient
-
-    import vit
-    from pipelines.image.finetune import stage_init
-    from pipelines.image.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
-    from pipelines.video.feature_data import features_train_config, is_features, read_training_manifest
-    from pipelines.core.shards import class_names
-    from pipelines.video.data import manifest_digest, split_count
-
+def _training_data(config: VideoTrainConfig) -> tuple[VideoTrainConfig, dict[str, Any], bool]:
+    """`(config, manifest, features)`: the data's manifest, and the config for features data when it is
+    (see `pipelines.video.feature_data`); one-line errors for data without the splits the stage needs."""
     manifest = read_training_manifest(config.data, endpoint_url=config.endpoint_url)
     features = is_features(manifest)
-    if features:  # the temporal encoder alone, on the stored features: see `pipelines.video.feature_data`
+    if features:  # the temporal encoder alone, on the stored features
         config = features_train_config(config, manifest)
-    classes = class_names(manifest)
     if split_count(manifest, "train") == 0:
         raise ValueError(f"data: {strip_userinfo(config.data)} holds no training videos")
     if split_count(manifest, config.eval_split) == 0:
         other = "val" if config.eval_split == "test" else "test"
         raise ValueError(f"eval_split: the data holds no {config.eval_split!r} videos (try eval_split: {other})")
-    has_val = (split_count(manifest, "val") or 0) > 0
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
-    client = MlflowClient(tracking_uri)
-    initial = build_initial_model(config, len(classes), tracking_uri)
-    if features:
-        from pipelines.video.feature_data import check_backbone
+    return config, manifest, features
 
-        check_backbone(initial.model, manifest, config)
-    digest = tracking.config_hash(run_identity(config, manifest))
-    run_name = config.run_name or f"{STAGE}-{digest[:12]}"
 
-    connect(ray_address)
-    tags = {
+def _run_tags(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialModel) -> dict[str, str]:
+    """The stage run's tags: the data, the backbone's origin (lineage) and the machine."""
+    return {
         "vitpipe.data_uri": strip_userinfo(config.data),
         "vitpipe.manifest_hash": manifest_digest(manifest),
         "vitpipe.backbone_init": initial.backbone_source,
@@ -352,62 +227,58 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
         **({"vitpipe.ingest_run_id": config.ingest_run_id} if config.ingest_run_id else {}),
         **tracking.system_info(config.num_workers, config.use_gpu),
     }
-    run_id, previous = tracking.start_stage_run(
-        client, config.experiment, STAGE, digest, run_name=run_name, parent_run_id=config.parent_run_id, tags=tags
-    )
-    if previous == "FINISHED":
-        logger.info("%s: run %s already finished with this config; not training again", STAGE, run_id)
-        return _result_from_run(client, run_id, reused=True)
-    if previous:
-        logger.info("%s: resuming run %s (was %s)", STAGE, run_id, previous)
 
+
+def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialModel, client: Any, run_id: str,
+         run_name: str, tracking_uri: str) -> Any:
+    """Train the staged VTN on Ray Train with the shared worker loop; returns the trainer's result."""
+    from pipelines.image.finetune import stage_init
+    from pipelines.image.pretrain import build_trainer, fit_trainer, storage_location
+
+    has_val = (split_count(manifest, "val") or 0) > 0
     storage_path, filesystem = storage_location(config)
     # Workers read the starting VTN from the run's storage; a resumed execution keeps the one it staged first.
     init_path = stage_init(initial.model, storage_path, filesystem, run_name)
     settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest),
-                             modality="features" if features else "video")
-    resolved = {**config.model_dump(mode="json"), "frame_size": initial.frame_size,
-                "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()}
-    tracking.log_params(client, run_id, resolved)
-    tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")
-    ok = False
-    try:
-        trainer = build_trainer(config, settings, run_name, datasets=clip_datasets(config, manifest, initial.frame_size, has_val))
-        result = fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
+                             modality="features" if is_features(manifest) else "video")
+    trainer = build_trainer(config, settings, run_name, datasets=clip_datasets(config, manifest, initial.frame_size, has_val))
+    return fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
+
+
+def _log_model(config: VideoTrainConfig, client: Any, tracking_uri: str, run_id: str, result: Any,
+               tags: dict[str, str]) -> None:
+    """Log the final model (MLflow PyTorch model) and register it when `registry_model` is set."""
+    from pipelines.image.pretrain import _log_outputs
+
+    model_uri = _log_outputs(client, tracking_uri, run_id, result)
+    tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
+    if config.registry_model and model_uri:
+        lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
+        version = register(client, tracking_uri, config.registry_model, model_uri, run_id, lineage,
+                           run_tag=TAG_VIDEO_RUN)
+        tracking.set_tags(client, run_id, {"vitpipe.registered_model": config.registry_model,
+                                           "vitpipe.registered_version": version})
+
+
+def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None) -> VideoTrainResult:
+    """Run (or resume) the stage: build, train, evaluate in both modes, log; returns the run and model URIs."""
+    config, manifest, features = _training_data(config)
+    classes = class_names(manifest)
+    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    client = MlflowClient(tracking_uri)
+    initial = build_initial_model(config, len(classes), tracking_uri)
+    if features:
+        check_backbone(initial.model, manifest, config)
+    connect(ray_address)
+    tags = _run_tags(config, manifest, initial)
+    with stage_run(client, STAGE, config, run_identity(config, manifest), tags=tags) as run:
+        if run.finished:
+            return _result_from_run(client, run.run_id, reused=True)
+        run.log_config({**config.model_dump(mode="json"), "frame_size": initial.frame_size,
+                        "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()})
+        result = _fit(config, manifest, initial, client, run.run_id, run.name, tracking_uri)
         with result.checkpoint.as_directory() as final_dir:
             model = vit.load_checkpoint(final_dir)
-        videos, predictor = evaluation_inputs(config, manifest, model)
-        table = evaluate_modes(model, videos(), config, initial.frame_size, predictor=predictor)
-        if config.eval_shuffled:
-            table += evaluate_modes(model, videos(), config, initial.frame_size, shuffled=True, predictor=predictor)
-        client.log_batch(run_id, metrics=_metrics(evaluation_metrics(table)))
-        client.log_dict(run_id, {"modes": table}, EVAL_TABLE)
-        for row in table:
-            logger.info("%s: %-10s %-8s top-1 %.3f in %.2fs (%d videos, %d views each)%s", STAGE, row["mode"],
-                        row["frame_order"], row["top1"], row["wall_s"], row["videos"], row["views_per_video"],
-                        f"; {row['note']}" if row.get("note") else "")
-        if not features:  # the picture shows the frames, which features data does not hold
-            log_attention_picture(client, run_id, model,
-                                  list(videos(config.attention_videos)) if config.attention_videos else [],
-                                  initial.frame_size, config.full_video_frames, classes)
-        model_uri = _log_outputs(client, tracking_uri, run_id, result)
-        tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
-        if config.registry_model and model_uri:
-            from pipelines.image.finetune_results import register
-
-            lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
-            version = register(client, tracking_uri, config.registry_model, model_uri, run_id, lineage,
-                               run_tag=TAG_VIDEO_RUN)
-            tracking.set_tags(client, run_id, {"vitpipe.registered_model": config.registry_model,
-                                               "vitpipe.registered_version": version})
-        ok = True
-    finally:
-        tracking.end_run(client, run_id, ok)
-    return _result_from_run(client, run_id, reused=False)
-
-
-def _metrics(values: dict[str, float]) -> list[Any]:
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    return [Metric(k, v, now, 0) for k, v in values.items()]
+        log_evaluation(client, run.run_id, model, config, manifest, initial.frame_size, classes)
+        _log_model(config, client, tracking_uri, run.run_id, result, tags)
+    return _result_from_run(client, run.run_id, reused=False)

@@ -1,0 +1,55 @@
+"""Model surgery: a ViT at another resolution with a new head, a frozen backbone, a weights hash.
+
+As big_vision's `models/vit.py` keeps its `load()` (resize the position
+embeddings, reset the head) with the model, these live with the model too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from vit.model import VisionTransformer
+from vit.pos_embed import resample_1d
+
+
+def at_resolution(base: VisionTransformer, image_size: int, num_classes: int,
+                  overrides: dict[str, Any] | None = None) -> VisionTransformer:
+    """A copy of ViT `base` for `image_size` inputs with a fresh zero-initialised `num_classes` head.
+
+    Learned position embeddings are interpolated to the new grid (paper §3.2)
+    by the model's own call-time resampling; `overrides` may change fields that
+    hold no weights (dropout, drop_path, attn_impl).
+    """
+    config = dataclasses.replace(base.config, image_size=image_size, **(overrides or {}))
+    model = VisionTransformer(config)
+    state = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    if config.pos_embed == "learned":
+        with torch.no_grad():
+            state["pos_embed"] = base.position_embeddings(config.grid).detach().clone()
+    elif config.pos_embed == "learned_2d":
+        state["pos_embed_row"] = resample_1d(state["pos_embed_row"], config.grid[0])
+        state["pos_embed_col"] = resample_1d(state["pos_embed_col"], config.grid[1])
+    model.load_state_dict(state)
+    model.replace_head(num_classes)
+    return model
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """Train the head only (linear probe): every other parameter stops taking gradients."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("head."))
+
+
+def weights_hash(module: nn.Module) -> str:
+    """sha256 of a module's state dict (names, dtypes, shapes and values), as "sha256:<hex>"."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
