@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import vit
 from pipelines.training import step as train_step
-from pipelines.training.step import LoopSettings, TrainStep, WarmupDecay
+from pipelines.training.recipe import LoopSettings
+from pipelines.training.step import TrainStep, WarmupDecay
 
 CPU = torch.device("cpu")
 TINY = dict(image_size=16, patch_size=4, num_classes=5, depth=2, embed_dim=32, num_heads=2, mlp_dim=64)

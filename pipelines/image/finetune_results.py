@@ -14,9 +14,13 @@ import re
 import tempfile
 from typing import Any
 
+import numpy as np
+
 import vit
-from pipelines.core import tracking
+from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
+from pipelines.image.finetune_data import iter_rows
+from pipelines.image.finetune_trial import latest_checkpoint
 
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
@@ -103,10 +107,7 @@ def pick_best(outcomes: list[dict[str, Any]], mode: str) -> dict[str, Any] | Non
 
 def evaluate_split(model: Any, data: Any, split: str, size: int) -> tuple[float, Any]:
     """Top-1 and the confusion matrix (rows: true class) of `model` on one split, read shard by shard."""
-    import numpy as np
     import torch
-
-    from pipelines.image.finetune_data import iter_rows
 
     classes = int(data.manifest.get("num_classes") or len(data.manifest["classes"]))
     matrix = np.zeros((classes, classes), dtype=np.int64)
@@ -128,8 +129,6 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
     clone; the checkpoint with the highest step among all its runs is its last.
     """
     import pyarrow.fs as pafs
-
-    from pipelines.image.finetune_trial import latest_checkpoint
 
     fs = filesystem or pafs.LocalFileSystem()
     infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
@@ -162,8 +161,6 @@ def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_g
 
     Raises `VitpipeError` when every trial failed, naming the first failure.
     """
-    from pipelines.core import plots
-
     outcomes = trial_outcomes(result_grid, metric)
     finish_trial_runs(client, run_id, outcomes)
     statuses = {t["trial_id"]: t["status"] for t in outcomes}

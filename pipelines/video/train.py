@@ -9,7 +9,7 @@ across time. This stage
   or fine-tuned, at the frame size of the clips (learned position embeddings
   interpolated as for fine-tuning);
 * trains it on Ray Train with the image pipeline's worker loop
-  (`pipelines.training.loop`, `modality="video"`: the same steps, checkpoints,
+  (`pipelines.training.loop` with `pipelines.video.loop_hooks`: the same steps, checkpoints,
   resume, NaN stop and rank-0 logging), on clips of `train_frames` frames
   sampled from each video's stored frames, with the paper's recipe by default
   (SGD, lr 1e-3, momentum 0.9, 16 frames);
@@ -43,7 +43,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipelines.core import tracking
 from pipelines.training.recipe import TrainRecipe
+from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
 from pipelines.core.stage_config import load_stage_config, stage_main
+from pipelines.video.loop_hooks import ClipHooks, FeatureHooks
 from pipelines.video.eval import (
     EVAL_TABLE,
     evaluate_modes,
@@ -254,12 +256,11 @@ def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str
 
 
 def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_id: str | None,
-                  tracking_uri: str | None, train_rows: int | None = None, modality: str = "video") -> Any:
-    """What every worker receives: the image loop's settings in video (or features) modality, starting from the
-    staged VTN."""
+                  tracking_uri: str | None, train_rows: int | None = None) -> Any:
+    """What every worker receives: the shared loop's settings, starting from the staged VTN."""
     return config.loop_settings(
         has_val=has_val, run_id=run_id, tracking_uri=tracking_uri, train_rows=train_rows, model_name="vtn",
-        init_checkpoint=init_path, modality=modality, optimizer=config.optimizer, momentum=config.momentum,
+        init_checkpoint=init_path,
     )
 
 
@@ -285,7 +286,7 @@ def clip_datasets(config: VideoTrainConfig, manifest: dict[str, Any], size: int,
     common = dict(frames=config.train_frames, size=size, sampling=config.train_sampling, stride=config.clip_stride,
                   stored_clip_length=stored_clip_length(manifest))
     train = ClipSpec(**common, train=True, clips_per_video=config.clips_per_video, hflip=config.hflip)
-    # Reproducible: seeded passes over the videos, chained to cover the run (see `pretrain.build_trainer`).
+    # Reproducible: seeded passes over the videos, chained to cover the run (see `pretrain.patch_datasets`).
     out = {"train": dataset("train", train, seed=config.seed, epochs=config.passes_over(train_clips(config, manifest)))}
     if has_val:
         out["val"] = dataset("val", ClipSpec(**common, train=False))
@@ -318,8 +319,6 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     from mlflow.tracking import MlflowClient
 
     import vit
-    from pipelines.image.finetune import stage_init
-    from pipelines.image.pretrain import _log_outputs, build_trainer, fit_trainer, storage_location
     from pipelines.video.feature_data import features_train_config, is_features, read_training_manifest
     from pipelines.video.data import class_names, manifest_digest, split_count
 
@@ -366,15 +365,18 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     storage_path, filesystem = storage_location(config)
     # Workers read the starting VTN from the run's storage; a resumed execution keeps the one it staged first.
     init_path = stage_init(initial.model, storage_path, filesystem, run_name)
-    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest),
-                             modality="features" if features else "video")
+    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest))
     resolved = {**config.model_dump(mode="json"), "frame_size": initial.frame_size,
                 "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()}
     tracking.log_params(client, run_id, resolved)
     tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")
     ok = False
     try:
-        trainer = build_trainer(config, settings, run_name, datasets=clip_datasets(config, manifest, initial.frame_size, has_val))
+        trainer = build_trainer(
+            settings.model_dump(mode="json"), run_name=run_name, location=(storage_path, filesystem), workers=config,
+            max_failures=config.max_failures, keep=config.keep_last, hooks=FeatureHooks() if features else ClipHooks(),
+            datasets=clip_datasets(config, manifest, initial.frame_size, has_val),
+        )
         result = fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
         with result.checkpoint.as_directory() as final_dir:
             model = vit.load_checkpoint(final_dir)
@@ -392,7 +394,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
             log_attention_picture(client, run_id, model,
                                   list(videos(config.attention_videos)) if config.attention_videos else [],
                                   initial.frame_size, config.full_video_frames, classes)
-        model_uri = _log_outputs(client, tracking_uri, run_id, result)
+        model_uri = log_outputs(client, tracking_uri, run_id, result)
         tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
         if config.registry_model and model_uri:
             from pipelines.image.finetune_results import register
