@@ -21,7 +21,6 @@ from pipelines.core.errors import VitpipeError
 from pipelines.training.hooks import DRIVER_INPUTS, Batches, LoopHooks, Window, write_best
 from pipelines.training.recipe import LoopSettings
 from pipelines.training.step import (
-    StepStats,
     TrainStep,
     build_loop_optimizer,
     build_scheduler,
