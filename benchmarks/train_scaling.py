@@ -30,9 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines import train_loop  # noqa: E402
-from pipelines import train_step  # noqa: E402
-from pipelines.training.step import LoopSettings  # noqa: E402
+from pipelines.corpora.images import synth_corpus  # noqa: E402
+from pipelines.core.shards import read_manifest  # noqa: E402
+from pipelines.image.data import load_split, patch_dataset  # noqa: E402
+from pipelines.image.ingest import IngestConfig, run_ingest  # noqa: E402
+from pipelines.training import step as train_step  # noqa: E402
+from pipelines.training.loop import train_loop_per_worker  # noqa: E402
+from pipelines.training.recipe import LoopSettings  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,9 +73,6 @@ def make_data(workdir: Path, args: argparse.Namespace) -> str:
     """Render a fractal corpus and ingest it (in a short-lived local Ray)."""
     import ray
 
-    from pipelines.corpora.images import synth_corpus
-    from pipelines.image.ingest import IngestConfig, run_ingest
-
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         synth_corpus(str(workdir / "corpus"), images=args.images, classes=10, size=args.image_size, seed=0)
@@ -95,8 +96,6 @@ def settings_for(args: argparse.Namespace, manifest: dict[str, Any], steps: int,
 
 def plain_rate(args: argparse.Namespace, settings: LoopSettings, data: str) -> float:
     """Images/s of `TrainStep` in this process with `--workers` threads, data in memory."""
-    from pipelines.image.data import load_split
-
     torch.set_num_threads(args.workers)
     x_all, y_all = load_split(data, "train")
     x_all, y_all = torch.as_tensor(x_all), torch.as_tensor(y_all).long()
@@ -126,15 +125,13 @@ def ray_rate(args: argparse.Namespace, settings: LoopSettings, data: str, storag
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipelines.image.data import patch_dataset
-
     # Logical CPUs for the workers plus Ray Data's read/decode tasks; they share the physical cores.
     ray.init(num_cpus=args.workers + 2, _node_ip_address="127.0.0.1", include_dashboard=True,
              dashboard_host="127.0.0.1", log_to_driver=False)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
         trainer = TorchTrainer(
-            train_loop.train_loop_per_worker,
+            train_loop_per_worker,
             train_loop_config=settings.model_dump(mode="json"),
             scaling_config=ray.train.ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
             run_config=ray.train.RunConfig(name="train-scaling", storage_path=str(storage)),
@@ -155,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         data = args.data or make_data(work, args)
-        from pipelines.core.shards import read_manifest
-
         manifest = read_manifest(data)
         total = args.warmup_steps + args.steps
         if total > steps_per_pass(manifest, args):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 
 import numpy as np
 import pyarrow as pa
@@ -219,3 +220,16 @@ def test_a_from_scratch_start_is_drawn_from_the_seed() -> None:
     first, again, other = weights(0), weights(0), weights(1)
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not torch.equal(first["patch_embed.proj.weight"], other["patch_embed.proj.weight"])
+
+
+def test_trial_hooks_stop_a_pbt_segment_and_report_the_last_loss():
+    from pipelines.image.finetune_trial import TrialHooks
+    from pipelines.training.hooks import Window
+    from pipelines.training.step import StepStats
+
+    hooks = pickle.loads(pickle.dumps(TrialHooks()))  # Ray Train ships them to every worker
+    assert hooks.end_step(settings(steps=10)) == 10 and hooks.end_step(settings(steps=10, stop_at_step=4)) == 4
+    stats = StepStats(loss=torch.tensor(0.5), grad_norm=torch.tensor(1.0), lr=0.1)
+    report = hooks.report(4, 0, stats, Window(losses=[0.9, 0.7], seconds=1.0), 16, None)
+    assert report == {"step": 4, "epoch": 0, "lr": 0.1, "train_loss": 0.7}  # what Tune ranks by, besides val_*
+    assert not hooks.keep_best and hooks.checkpoint_at_evaluations_only

@@ -24,7 +24,8 @@ from mlflow.tracking import MlflowClient
 
 import vit
 from pipelines.core import tracking
-from pipelines.image.pretrain import PretrainConfig, TrainingDivergedError, run_pretrain
+from pipelines.image.pretrain import PretrainConfig, run_pretrain
+from pipelines.training.trainer import TrainingDivergedError
 from tests.process_output import result_json
 
 pytestmark = pytest.mark.slow
@@ -232,8 +233,9 @@ def _one_step_per_rank(config: dict) -> None:
     import ray.train.torch
 
     from pipelines.training import step as train_step
+    from pipelines.training.recipe import LoopSettings
 
-    s = train_step.LoopSettings.model_validate(config)
+    s = LoopSettings.model_validate(config)
     rank = ray.train.get_context().get_world_rank()
     train_step.seed_everything(s.seed + rank)  # a different init per rank: DDP must broadcast rank 0's
     model = train_step.build_model(s)
@@ -267,7 +269,7 @@ def test_both_ranks_hold_identical_weights_after_a_step(ray_cluster, tmp_path):
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipelines.training.step import LoopSettings
+    from pipelines.training.recipe import LoopSettings
 
     overrides = {**TINY, "image_size": 16, "patch_size": 4, "num_classes": 4}
     settings = LoopSettings(model_name="ViT-Ti/16", model_overrides=overrides, steps=1, batch_size_per_worker=4, lr=1e-2)

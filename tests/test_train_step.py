@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +14,8 @@ import torch.nn.functional as F
 
 import vit
 from pipelines.training import step as train_step
-from pipelines.training.step import LoopSettings, TrainStep, WarmupDecay
+from pipelines.training.recipe import LoopSettings
+from pipelines.training.step import TrainStep, WarmupDecay
 
 CPU = torch.device("cpu")
 TINY = dict(image_size=16, patch_size=4, num_classes=5, depth=2, embed_dim=32, num_heads=2, mlp_dim=64)
@@ -214,3 +219,34 @@ def test_init_checkpoint_model_gets_a_new_head(tmp_path):
     vit.save_checkpoint(tiny_model(), tmp_path)
     model = train_step.build_model(settings(init_checkpoint=str(tmp_path), model_overrides={"num_classes": 3}))
     assert model(batch(2, seed=12)[0]).shape == (2, 3)
+
+
+# ---------------------------------------------------------------- one loop, one recipe
+
+
+def test_the_worker_loop_imports_no_stage():
+    """The loop knows no stage: stages hand it their differences as hooks."""
+    code = ("import sys, pipelines.training.loop, pipelines.training.trainer; "
+            "print(sorted(m for m in sys.modules if m.startswith(('pipelines.image', 'pipelines.video'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_loop_hooks_travel_to_ray_workers_by_pickle():
+    from pipelines.training.hooks import LoopHooks
+    from pipelines.training.loop import train_loop_per_worker
+
+    loop = pickle.loads(pickle.dumps(functools.partial(train_loop_per_worker, hooks=LoopHooks())))
+    assert isinstance(loop.keywords["hooks"], LoopHooks)
+    patches, labels = loop.keywords["hooks"].inputs({"patches": torch.zeros(2, 16, 48), "label": torch.tensor([1, 0])})
+    assert patches.shape == (2, 16, 48) and labels.dtype == torch.long
+
+
+def test_recipes_derive_from_one_base_and_share_fields_by_name():
+    from pipelines.training.recipe import Recipe, TrainRecipe, shared_fields
+
+    assert issubclass(LoopSettings, Recipe) and issubclass(TrainRecipe, Recipe)
+    recipe = TrainRecipe(steps=10, lr=0.5)
+    shared = shared_fields(recipe, LoopSettings, exclude=("tracking_uri",))
+    assert shared["lr"] == 0.5 and shared["checkpoint_interval"] == 500 and "tracking_uri" not in shared
+    assert "keep_last" not in shared and "num_workers" not in shared  # the driver's fields stay there

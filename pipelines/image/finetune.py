@@ -25,14 +25,24 @@ import math
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from mlflow.tracking import MlflowClient
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipelines.core import tracking
-from pipelines.core.stage_config import load_stage_config
 from pipelines.core.cluster import connect
+from pipelines.core.shards import read_manifest
 from pipelines.core.uris import strip_userinfo
+from pipelines.core.stage_config import load_stage_config
+from pipelines.core.stage_run import StageRun, stage_run
+from pipelines.core.storage import S3Settings
+from pipelines.image.finetune_data import DataSpec, raw_bytes
+from pipelines.core.shards import class_names
 from pipelines.image.finetune_results import report_sweep
+from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
+from pipelines.training.recipe import OptimizerChoice, Recipe, Recorded, Workers, shared_fields
+from pipelines.training.starting_weights import ARCH_FIELDS, StartingWeights, fetch_starting_weights, init_kind
+from pipelines.training.trainer import stage_init, storage_location
 
 logger = logging.getLogger(__name__)
 STAGE = "finetune"
@@ -47,32 +57,27 @@ _NOT_IDENTITY = {
 _DEFAULT_SPACE = {"lr": {"grid": [0.001, 0.003, 0.01, 0.03]}, "steps": 500}
 
 
-class FinetuneConfig(BaseModel):
-    """Fine-tuning stage config; defaults follow the ViT paper's fine-tuning recipe."""
+class FinetuneConfig(Recipe, OptimizerChoice, Workers, Recorded):
+    """Fine-tuning stage config; defaults follow the ViT paper's fine-tuning recipe.
 
-    model_config = ConfigDict(extra="forbid")
+    Steps, lr and weight decay are not fields: each trial takes them from the search space.
+    """
 
     data: str = Field(description="ingest output (local dir or s3://bucket/prefix) of the target task")
     init: str | None = None  # starting weights; see pipelines.training.starting_weights (None: from scratch)
     model: str | None = None  # architecture; required from scratch and for timm/HF files, checked otherwise
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     freeze_backbone: bool = False  # True: linear probe (head only)
-    # The recipe.
+    # The paper's fine-tuning recipe where it differs from the shared defaults.
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1)
-    schedule: Literal["cosine", "linear"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    clip_grad_norm: float | None = Field(1.0, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
     batch_size: int | None = Field(None, gt=0)  # global; default: 512, or less for small data
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
     hflip: bool = True  # with augmentation (aug_strength > 0)
     holdout_fraction: float = Field(0.1, gt=0, lt=1)  # minival taken from train when the data has no val split
     train_data: Literal["auto", "memory", "stream"] = "auto"  # auto: in memory up to memory_limit_mb, else Ray Data
     memory_limit_mb: int = Field(512, ge=0)  # raw (uint8) training rows a trial may hold in the object store
+    # Trials report to Tune at evaluations only, so there must be some.
     eval_interval: int = Field(100, gt=0)  # steps between evaluations (and Tune reports)
     checkpoint_interval: int | None = Field(None, gt=0)  # default: every evaluation
-    log_interval: int = Field(10, gt=0)
     # The sweep.
     search_space: dict[str, Any] = Field(default_factory=lambda: dict(_DEFAULT_SPACE))
     searcher: Searcher = "grid"
@@ -84,24 +89,13 @@ class FinetuneConfig(BaseModel):
     max_concurrent_trials: int | None = Field(None, gt=0)  # default: as many as the cluster holds
     metric: str = "val_top1"
     mode: Literal["max", "min"] | None = None  # default: the metric's natural direction
-    # Resources, per trial.
-    num_workers: int = Field(1, gt=0)
-    use_gpu: bool = False
-    resources_per_worker: dict[str, float] | None = None  # default: 1 CPU (or 1 GPU) per worker
+    # Resources, per trial (workers: `Workers`).
     trial_driver_cpus: float = Field(0.25, ge=0)  # the Tune function that waits on each trial's Train run
     ray_data_cpus: float = Field(1.0, ge=0)  # CPUs kept free of trials so Ray Data can feed them
-    torch_threads: int | None = Field(None, gt=0)
-    # Where things go.
+    # Where things go (run records: `Recorded`).
     registry_model: str | None = None  # register the best model as a new version of this name
-    storage: str = "vitpipe-work/runs"
-    endpoint_url: str | None = None
-    run_name: str | None = None  # default: finetune-<config hash>
     keep_checkpoints: int = Field(1, gt=0)  # per trial
-    seed: int = 0
     max_failures: int = Field(0, ge=-1)  # Ray Train restarts per trial (a diverged trial fails at once anyway)
-    tracking_uri: str | None = None
-    experiment: str = "vitpipe"
-    parent_run_id: str | None = None
 
     @field_validator("search_space", mode="before")
     @classmethod
@@ -187,30 +181,8 @@ def check_resolutions(config: FinetuneConfig, model: Any, manifest: dict[str, An
     return sizes
 
 
-def stage_init(model: Any, storage_path: str, filesystem: Any, sweep: str) -> str:
-    """Copy the starting checkpoint into the storage once; returns its path there (workers read it)."""
-    import tempfile
-
-    import pyarrow.fs as pafs
-
-    import vit
-
-    fs = filesystem or pafs.LocalFileSystem()
-    target = f"{storage_path}/{sweep}-work/init"
-    if fs.get_file_info(f"{target}/model.safetensors").type == pafs.FileType.File:
-        return target  # a resumed sweep keeps the weights its first trials started from
-    with tempfile.TemporaryDirectory() as tmp:
-        vit.save_checkpoint(model, tmp)
-        fs.create_dir(target)
-        pafs.copy_files(tmp, target, destination_filesystem=fs)
-    return target
-
-
 def training_data(config: FinetuneConfig, manifest: dict[str, Any]) -> tuple[Any, bool, int]:
     """The trials' data spec, whether training rows fit in memory, and the global batch size."""
-    from pipelines.image.finetune_data import DataSpec, raw_bytes
-    from pipelines.core.storage import S3Settings
-
     has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
     settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
     data = DataSpec(config.data, manifest, settings, 0.0 if has_val else config.holdout_fraction)
@@ -228,7 +200,7 @@ def trial_capacity(config: FinetuneConfig, streaming: bool) -> tuple[dict[str, f
     """
     import ray
 
-    per_worker = config.resources_per_worker or ({"CPU": 1.0, "GPU": 1.0} if config.use_gpu else {"CPU": 1.0})
+    per_worker = config.worker_resources()
     per_trial = config.trial_driver_cpus + config.num_workers * float(per_worker.get("CPU", 0))
     cpus = float(ray.cluster_resources().get("CPU", 0))
     reserved = config.ray_data_cpus if streaming else 0.0
@@ -285,29 +257,12 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     Raises ValueError for bad input (one line naming the field, run or URI) and
     `VitpipeError` when every trial failed.
     """
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.core import storage
-    from pipelines.core.shards import read_manifest
-    from pipelines.training.starting_weights import fetch_starting_weights, init_kind
-
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-    overrides = dict(config.model_overrides)
-    if init_kind(config.init) in ("scratch", "foreign"):
-        overrides.setdefault("image_size", manifest["image_size"])  # models built here start at the data's size
-    start = fetch_starting_weights(
-        config.init, model_name=config.model, model_overrides=overrides, tracking_uri=tracking_uri,
-        endpoint_url=config.endpoint_url, seed=config.seed,
-    )
+    start = starting_weights(config, manifest, tracking_uri)
     resolutions = check_resolutions(config, start.model, manifest)
     data, in_memory, batch_size = training_data(config, manifest)
-
-    identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
-    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id)
-    digest = tracking.config_hash(identity)
-    sweep = config.run_name or f"{STAGE}-{digest[:12]}"
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data),
         TAG_MANIFEST: str(manifest.get("content_hash", "")),
@@ -317,66 +272,71 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     }
     connect(ray_address)
     per_worker, concurrent = trial_capacity(config, streaming=not in_memory)
-    run_id, previous = tracking.start_stage_run(
-        client, config.experiment, STAGE, digest, run_name=sweep, parent_run_id=config.parent_run_id,
-        tags={**tags, **tracking.system_info(config.num_workers, config.use_gpu)},
-    )
-    if previous == "FINISHED":
-        logger.info("finetune: run %s already finished with this config; not running again", run_id)
-        return _result_from_run(client, run_id, reused=True)
-    resolved = {**config.model_dump(mode="json"), "batch_size": batch_size, "pretrain_resolution": start.model.config.image_size}
-    tracking.log_params(client, run_id, resolved)
-    tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")
-    ok = False
-    try:
-        storage_path, filesystem = storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
-        ctx = _sweep_context(config, data, in_memory, start.model, storage_path, filesystem, sweep, batch_size, per_worker,
-                             tracking_uri, run_id, client)
-        result_grid = _run_sweep(config, ctx, storage_path, filesystem, sweep, concurrent, resolutions[0])
-        report_sweep(client, tracking_uri, run_id, ctx, result_grid, metric=config.metric, mode=config.sweep_mode,
+    with stage_run(client, STAGE, config, run_identity(config, manifest, start),
+                   tags={**tags, **tracking.system_info(config.num_workers, config.use_gpu)}) as run:
+        if run.finished:
+            return _result_from_run(client, run.run_id, reused=True)
+        run.log_config({**config.model_dump(mode="json"), "batch_size": batch_size,
+                        "pretrain_resolution": start.model.config.image_size})
+        storage_path, filesystem = storage_location(config)
+        ctx = _sweep_context(config, run, tracking_uri, data=data, in_memory=in_memory, batch_size=batch_size,
+                             init_path=stage_init(start.model, storage_path, filesystem, run.name),
+                             location=(storage_path, filesystem), per_worker=per_worker)
+        result_grid = _run_sweep(config, ctx, storage_path, filesystem, run.name, concurrent, resolutions[0])
+        report_sweep(client, tracking_uri, run.run_id, ctx, result_grid, metric=config.metric, mode=config.sweep_mode,
                      searched=[n for n, p in config.space.params.items() if p.kind is not None] or ["lr"],
                      registry_model=config.registry_model, lineage=tags)
-        ok = True
-    finally:
-        tracking.end_run(client, run_id, ok)
-    return _result_from_run(client, run_id, reused=False)
+    return _result_from_run(client, run.run_id, reused=False)
 
 
-def _sweep_context(config: FinetuneConfig, data: Any, in_memory: bool, model: Any, storage_path: str, filesystem: Any,
-                   sweep: str, batch_size: int, per_worker: dict[str, float], tracking_uri: str, run_id: str,
-                   client: Any) -> Any:
-    """What every trial shares: data, staged weights, the worker settings that do not vary, where to log."""
-    from pipelines.core.shards import class_names
-    from pipelines.image.finetune_trial import SweepContext
-    from pipelines.training.starting_weights import ARCH_FIELDS
-
-    threads = config.torch_threads or (None if config.use_gpu else max(1, int(per_worker.get("CPU", 1))))
-    base = dict(
-        model_name=config.model or "checkpoint",
-        # Only fields without weights may be overridden on a pretrained model.
-        model_overrides={k: v for k, v in config.model_overrides.items() if k not in (*ARCH_FIELDS, "image_size", "num_classes")},
-        init_checkpoint=stage_init(model, storage_path, filesystem, sweep), num_classes=len(class_names(data.manifest)),
-        optimizer=config.optimizer, momentum=config.momentum, freeze_backbone=config.freeze_backbone,
-        warmup_steps=config.warmup_steps, schedule=config.schedule, clip_grad_norm=config.clip_grad_norm,
-        label_smoothing=config.label_smoothing, precision=config.precision,
-        batch_size_per_worker=batch_size // config.num_workers, eval_interval=config.eval_interval,
-        checkpoint_interval=config.checkpoint_interval or config.eval_interval, log_interval=config.log_interval,
-        torch_threads=threads, seed=config.seed, val_dataset=None,
+def starting_weights(config: FinetuneConfig, manifest: dict[str, Any], tracking_uri: str) -> StartingWeights:
+    """The model the sweep starts from (see `pipelines.training.starting_weights`); one built here starts at
+    the data's image size."""
+    overrides = dict(config.model_overrides)
+    if init_kind(config.init) in ("scratch", "foreign"):
+        overrides.setdefault("image_size", manifest["image_size"])
+    return fetch_starting_weights(
+        config.init, model_name=config.model, model_overrides=overrides, tracking_uri=tracking_uri,
+        endpoint_url=config.endpoint_url, seed=config.seed,
     )
+
+
+def run_identity(config: FinetuneConfig, manifest: dict[str, Any], start: StartingWeights) -> dict[str, Any]:
+    """The part of a config (plus the data's content hash and the starting run) that decides what is trained."""
+    identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
+    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id)
+    return identity
+
+
+def _sweep_context(config: FinetuneConfig, run: StageRun, tracking_uri: str, *, data: DataSpec, in_memory: bool,
+                   batch_size: int, init_path: str, location: tuple[str, Any], per_worker: dict[str, float]) -> SweepContext:
+    """What every trial shares: data, staged weights, the worker settings that do not vary, where to log."""
+    threads = config.torch_threads or (None if config.use_gpu else max(1, int(per_worker.get("CPU", 1))))
+    base = {
+        **shared_fields(config, TrialSettings, exclude=("tracking_uri",)),  # each trial logs to its own run
+        "model_name": config.model or "checkpoint",
+        # Only fields without weights may be overridden on a pretrained model.
+        "model_overrides": {k: v for k, v in config.model_overrides.items()
+                            if k not in (*ARCH_FIELDS, "image_size", "num_classes")},
+        "init_checkpoint": init_path, "num_classes": len(class_names(data.manifest)),
+        "batch_size_per_worker": batch_size // config.num_workers,
+        "checkpoint_interval": config.checkpoint_interval or config.eval_interval, "torch_threads": threads,
+        "val_dataset": None,
+    }
+    storage_path, filesystem = location
     return SweepContext(
-        data=data, base=base, hflip=config.hflip, in_memory=in_memory, storage_path=f"{storage_path}/{sweep}-work/trials",
-        filesystem=filesystem, num_workers=config.num_workers, use_gpu=config.use_gpu, resources_per_worker=per_worker,
+        data=data, base=base, hflip=config.hflip, in_memory=in_memory, storage_path=f"{storage_path}/{run.name}-work/trials",
+        filesystem=filesystem, workers=Workers(num_workers=config.num_workers, use_gpu=config.use_gpu,
+                                               resources_per_worker=per_worker),
         max_failures=config.max_failures, keep_checkpoints=config.keep_checkpoints, tracking_uri=tracking_uri,
-        experiment_id=client.get_run(run_id).info.experiment_id, parent_run_id=run_id,
+        experiment_id=run.client.get_run(run.run_id).info.experiment_id, parent_run_id=run.run_id,
         segment_steps=(config.perturbation_interval or config.eval_interval) if config.scheduler == "pbt" else None,
     )
 
 
-def _run_sweep(config: FinetuneConfig, ctx: Any, storage_path: str, filesystem: Any, sweep: str, concurrent: int,
-               default_resolution: int) -> Any:
+def _run_sweep(config: FinetuneConfig, ctx: SweepContext, storage_path: str, filesystem: Any, sweep: str,
+               concurrent: int, default_resolution: int) -> Any:
     from ray import tune
-
-    from pipelines.image.finetune_trial import run_trial
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), {"CPU": config.trial_driver_cpus})
     path = f"{storage_path}/{sweep}"

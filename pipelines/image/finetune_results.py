@@ -14,11 +14,15 @@ import re
 import tempfile
 from typing import Any
 
+import numpy as np
+
 import vit
-from pipelines.core import tracking
+from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
-from pipelines.core.shards import class_names
 from pipelines.core.registry import register
+from pipelines.core.shards import class_names
+from pipelines.image.finetune_data import iter_rows
+from pipelines.image.finetune_trial import latest_checkpoint
 
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
@@ -97,10 +101,7 @@ def pick_best(outcomes: list[dict[str, Any]], mode: str) -> dict[str, Any] | Non
 
 def evaluate_split(model: Any, data: Any, split: str, size: int) -> tuple[float, Any]:
     """Top-1 and the confusion matrix (rows: true class) of `model` on one split, read shard by shard."""
-    import numpy as np
     import torch
-
-    from pipelines.image.finetune_data import iter_rows
 
     classes = int(data.manifest.get("num_classes") or len(data.manifest["classes"]))
     matrix = np.zeros((classes, classes), dtype=np.int64)
@@ -123,8 +124,6 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
     """
     import pyarrow.fs as pafs
 
-    from pipelines.image.finetune_trial import latest_checkpoint
-
     fs = filesystem or pafs.LocalFileSystem()
     infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
     runs = [i.path for i in infos if i.base_name == trial_id or i.base_name.startswith(f"{trial_id}-from-")]
@@ -143,8 +142,6 @@ def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_g
 
     Raises `VitpipeError` when every trial failed, naming the first failure.
     """
-    from pipelines.core import plots
-
     outcomes = trial_outcomes(result_grid, metric)
     finish_trial_runs(client, run_id, outcomes)
     statuses = {t["trial_id"]: t["status"] for t in outcomes}

@@ -1,55 +1,49 @@
-"""One fine-tuning trial: its data, its model, its worker loop, and the Tune function that runs it.
+"""One fine-tuning trial: its settings, its hooks into the worker loop, and the Tune function that runs it.
 
 `run_trial` is what Ray Tune calls for each trial. It opens (or, after an
 interruption, reopens) the trial's nested MLflow run and fits a `TorchTrainer`
-whose workers run `finetune_loop_per_worker`. Metrics reach Tune through
-`TuneReportCallback`, so ASHA can stop a trial between two evaluations. Under
-PBT the trial instead runs in segments of `segment_steps` and reports its Ray
-Train checkpoint to Tune after each (the callback carries metrics only), so PBT
-can clone a better trial's weights.
+whose workers run the one worker loop (`pipelines.training.loop`) with
+`TrialHooks`. Metrics reach Tune through `TuneReportCallback`, so ASHA can stop
+a trial between two evaluations. Under PBT the trial instead runs in segments
+of `segment_steps` and reports its Ray Train checkpoint to Tune after each (the
+callback carries metrics only), so PBT can clone a better trial's weights.
 
-The worker loop reuses the pretrain loop's parts (`TrainStep`, `evaluate`,
-train-state files, seeding, schedule); what differs is the model (pretrained
-backbone at the trial's resolution, zero-initialised head, optionally frozen),
-the optimizer (SGD with momentum by default, as in the paper) and the reports.
+What the hooks change from pretraining: the model (pretrained backbone at the
+trial's resolution, zero-initialised head, optionally frozen), PBT's starting
+state and segment end, in-memory training rows and a minival handed over by
+object ref, a divergence that fails the trial, `position.json` beside each
+checkpoint, and brief reports (Tune reads `val_top1` at every one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from mlflow.tracking import MlflowClient
 from torch import nn
 
-from pipelines.core.errors import VitpipeError
+import vit
+from pipelines.core import tracking
 from pipelines.image.finetune_data import DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset
-from pipelines.training.loop import Rank0Log, all_reduce_sum, gather_rng, train_batches
-from pipelines.training.step import (
-    LoopSettings,
-    TrainStep,
-    build_loop_optimizer,
-    build_scheduler,
-    evaluate,
-    load_train_state,
-    resolve_precision,
-    save_train_state,
-    seed_everything,
-)
+from pipelines.training.hooks import DRIVER_INPUTS, Batches, LoopHooks, Window
+from pipelines.training.recipe import LoopSettings, Workers
+from pipelines.training.step import StepStats, build_loop_optimizer, load_train_state
+from pipelines.training.trainer import TrainingDivergedError, build_trainer
+from pipelines.training.worker import Rank0Log, Worker
 
 TRIAL_STAGE = "finetune-trial"
 TAG_TRIAL_ID = "vitpipe.trial_id"
-VAL_ROWS = "val_rows"  # train_loop_config keys of object refs: the minival, and in-memory training rows
+VAL_ROWS = "val_rows"  # DRIVER_INPUTS keys of object refs: the minival, and in-memory training rows
 TRAIN_ROWS = "train_rows"
 POSITION_FILE = "position.json"  # beside train_state.pt: the step, readable without torch
-
-
-class TrainingDivergedError(VitpipeError):
-    """A trial's loss or gradients became NaN/inf."""
 
 
 class TrialSettings(LoopSettings):
@@ -60,8 +54,7 @@ class TrialSettings(LoopSettings):
 
     image_size: int
     num_classes: int
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    momentum: float = 0.9
+    optimizer: Literal["sgd", "adamw"] = "sgd"  # the paper fine-tunes with SGD and momentum
     freeze_backbone: bool = False
     stop_at_step: int | None = None  # PBT: end this segment here (a checkpoint is written)
     start_from: str | None = None  # PBT exploit: a train-state checkpoint (storage path) to continue from
@@ -95,8 +88,6 @@ def _download(fs: Any, path: str, local: str) -> str:
 
 def build_trial_model(s: TrialSettings, fs: Any) -> nn.Module:
     """The trial's starting model: the staged checkpoint at `s.image_size` with a new head."""
-    import vit
-
     with tempfile.TemporaryDirectory() as tmp:
         base = vit.load_checkpoint(_download(fs, s.init_checkpoint, tmp))
     model = vit.at_resolution(base, s.image_size, s.num_classes, s.model_overrides)
@@ -105,7 +96,7 @@ def build_trial_model(s: TrialSettings, fs: Any) -> nn.Module:
     return model
 
 
-# ---------------------------------------------------------------- the worker loop
+# ---------------------------------------------------------------- the worker loop's hooks
 
 
 def _val_batches(rows: tuple[np.ndarray, np.ndarray], rank: int, world: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -114,105 +105,69 @@ def _val_batches(rows: tuple[np.ndarray, np.ndarray], rank: int, world: int, bat
     return [(patches[i : i + batch_size], labels[i : i + batch_size]) for i in range(0, len(labels), batch_size)]
 
 
-def finetune_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point of one trial: fine-tune from the staged checkpoint or the latest one.
+class TrialHooks(LoopHooks):
+    """A trial in the one worker loop: reports (every `eval_interval` steps and at the end) carry `step`,
+    `train_loss` (the last step's), `lr`, `val_loss` and `val_top1`; a checkpoint rides along every
+    `checkpoint_interval` steps and at the end. A non-finite gradient norm raises `TrainingDivergedError`,
+    which fails this trial only."""
 
-    Reports (every `eval_interval` steps and at the end) carry `step`,
-    `train_loss`, `lr`, `val_loss`, `val_top1`; a checkpoint rides along every
-    `checkpoint_interval` steps and at the end. A non-finite gradient norm
-    raises `TrainingDivergedError`, which fails this trial only.
-    """
-    import ray.train
-    import ray.train.torch
+    settings_model = TrialSettings
+    keep_best = False  # the sweep picks the best trial; within one, its last checkpoint is what counts
+    checkpoint_at_evaluations_only = True
 
-    config = dict(config)
-    val_rows = config.pop(VAL_ROWS, None)  # object refs the trial driver filled once
-    train_rows = config.pop(TRAIN_ROWS, None)
-    s = TrialSettings.model_validate(config)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if s.torch_threads:
-        torch.set_num_threads(s.torch_threads)
-    device = ray.train.torch.get_device()
-    amp_dtype = resolve_precision(s.precision, device)
-    fs = ctx.get_storage().storage_filesystem  # DeveloperAPI: the run's storage, where the init was staged
+    def start_model(self, s: TrialSettings, worker: Worker) -> nn.Module:
+        return build_trial_model(s, worker.fs)
 
-    seed_everything(s.seed)
-    model = build_trial_model(s, fs).to(device)
-    optimizer = build_finetune_optimizer(model, s)
-    scheduler = build_scheduler(optimizer, s)
-    pos: dict[str, Any] = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
-    state = None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = load_train_state(d, model, optimizer, scheduler)
-    elif s.start_from:
+    def start_state(self, s: TrialSettings, worker: Worker, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any) -> dict[str, Any] | None:
+        """PBT's exploit: the cloned trial's train state, with this trial's own lr and weight decay."""
+        if not s.start_from:
+            return None
         with tempfile.TemporaryDirectory() as tmp:
-            state = load_train_state(_download(fs, s.start_from, tmp), model, optimizer, scheduler)
+            state = load_train_state(_download(worker.fs, s.start_from, tmp), model, optimizer, scheduler)
         retarget(optimizer, scheduler, s)
-    if state is not None:
-        pos.update(state["position"])
-    step = int(pos["step"])
-    seed_everything(s.seed + rank + 1_000_003 * step)
-    if checkpoint is not None and len(state["rng"]) == world:
-        torch.set_rng_state(state["rng"][rank]["cpu"])
-    step_fn = TrainStep(
-        ray.train.torch.prepare_model(model), optimizer, scheduler, device=device, amp_dtype=amp_dtype,
-        clip_grad_norm=s.clip_grad_norm, label_smoothing=s.label_smoothing,
-    )
-    log = Rank0Log(s, rank)
-    if train_rows is not None:
-        batches = memory_batches(ray.get(train_rows), batch_size=s.batch_size_per_worker, rank=rank, world=world,
-                                 seed=s.seed, epoch=int(pos["epoch"]), skip=int(pos["batch_in_epoch"]))
-    else:
-        batches = train_batches(ray.train.get_dataset_shard(s.train_dataset), s, rank, int(pos["epoch"]), int(pos["batch_in_epoch"]))
-    val = _val_batches(ray.get(val_rows), rank, world, s.eval_batch_size or 256) if val_rows is not None else None
-    end = min(s.steps, s.stop_at_step or s.steps)
-    losses: list[torch.Tensor] = []
-    while step < end:
-        micro = []
-        for _ in range(s.grad_accum_steps):
-            epoch, in_epoch, batch = next(batches)
-            micro.append((batch["patches"], batch["label"].long()))
-        stats = step_fn(micro)
-        if not bool(torch.isfinite(stats.grad_norm)):  # identical on all ranks: gradients are all-reduced
-            log.tags({"vitpipe.diverged_at_step": str(step + 1)})
-            log.flush()
-            raise TrainingDivergedError(f"trial diverged at step {step + 1}: gradient norm {float(stats.grad_norm)}, loss {float(stats.loss)}")
-        step += 1
-        pos.update(step=step, epoch=epoch, batch_in_epoch=in_epoch)
-        losses.append(stats.loss)
-        log.metrics({"lr": stats.lr, "grad_norm": float(stats.grad_norm)}, step)
-        do_eval = step == end or step % s.eval_interval == 0
-        if step % s.log_interval and not do_eval:
-            continue
-        mean = (all_reduce_sum(torch.stack(losses).float()) / world).tolist()
-        for offset, value in enumerate(mean):
-            log.metrics({"train_loss": value}, step - len(mean) + 1 + offset)
-        losses = []
+        return state
+
+    def end_step(self, s: TrialSettings) -> int:
+        return min(s.steps, s.stop_at_step or s.steps)
+
+    def train_batches(self, s: TrialSettings, worker: Worker, epoch: int, skip: int) -> Iterator[tuple[int, int, Any]]:
+        import ray
+
+        if TRAIN_ROWS not in worker.inputs:
+            return super().train_batches(s, worker, epoch, skip)
+        return memory_batches(ray.get(worker.inputs[TRAIN_ROWS]), batch_size=s.batch_size_per_worker,
+                              rank=worker.rank, world=worker.world, seed=s.seed, epoch=epoch, skip=skip)
+
+    def val_batches(self, s: TrialSettings, worker: Worker) -> Batches | None:
+        import ray
+
+        if VAL_ROWS not in worker.inputs:
+            return None
+        batches = _val_batches(ray.get(worker.inputs[VAL_ROWS]), worker.rank, worker.world, s.eval_batch_size or 256)
+        return lambda: batches
+
+    def on_start(self, log: Rank0Log, amp_dtype: torch.dtype | None, device: torch.device,
+                 resumed_from: int | None) -> None:
+        """Nothing: a trial's run records its hyper-parameters and metrics only."""
+
+    def step_metrics(self, s: LoopSettings, stats: StepStats, step: int, epoch: int, global_batch: int,
+                     seconds: float) -> dict[str, float]:
+        return {"lr": stats.lr, "grad_norm": float(stats.grad_norm)}
+
+    def report(self, step: int, epoch: int, stats: StepStats, window: Window, global_batch: int,
+               resumed_from: int | None) -> dict[str, float]:
+        return {"step": step, "epoch": epoch, "lr": stats.lr, "train_loss": window.losses[-1]}
+
+    def on_diverged(self, worker: Worker, info: dict[str, float], log: Rank0Log) -> None:
+        log.tags({"vitpipe.diverged_at_step": str(int(info["step"]))})
         log.flush()
-        if not do_eval:
-            continue
-        report = {"step": step, "epoch": epoch, "lr": stats.lr, "train_loss": mean[-1]}
-        if val is not None:
-            sums = all_reduce_sum(evaluate(model, val, device, amp_dtype))
-            if float(sums[2]) == 0:
-                raise VitpipeError("the validation set is empty")
-            report.update(val_loss=float(sums[0] / sums[2]), val_top1=float(sums[1] / sums[2]))
-            log.metrics({"val_loss": report["val_loss"], "val_top1": report["val_top1"]}, step)
-            log.flush()
-        if not (step == end or (s.checkpoint_interval and step % s.checkpoint_interval == 0)):
-            ray.train.report(report)
-            continue
-        rng = gather_rng(device)
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as tmp:
-                save_train_state(tmp, model, optimizer, scheduler, pos, rng)
-                Path(tmp, POSITION_FILE).write_text(json.dumps(pos))
-                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{step:08d}")
-        else:
-            ray.train.report(report)
+        raise TrainingDivergedError(
+            f"trial diverged at step {int(info['step'])}: gradient norm {info['grad_norm']}, loss {info['loss']}"
+        )
+
+    def write_checkpoint(self, directory: str, position: dict[str, Any]) -> None:
+        Path(directory, POSITION_FILE).write_text(json.dumps(position))
 
 
 # ---------------------------------------------------------------- the Tune trainable
@@ -228,9 +183,7 @@ class SweepContext:
     in_memory: bool  # training rows via the object store (small data) rather than Ray Data
     storage_path: str  # where trial Train runs live: <storage_path>/<trial id>
     filesystem: Any  # pyarrow filesystem of storage_path (None: local)
-    num_workers: int
-    use_gpu: bool
-    resources_per_worker: dict[str, float]
+    workers: Workers  # per trial; `resources_per_worker` resolved
     max_failures: int
     keep_checkpoints: int
     tracking_uri: str
@@ -253,10 +206,6 @@ def latest_checkpoint(fs: Any, run_dir: str) -> str | None:
 
 def open_trial_run(ctx: SweepContext, trial_id: str, trial_name: str, config: dict[str, Any]) -> str:
     """The trial's nested MLflow run: found by trial id under the stage run (a restored trial), else created."""
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.core import tracking
-
     client = MlflowClient(ctx.tracking_uri)
     found = client.search_runs(
         [ctx.experiment_id],
@@ -282,9 +231,6 @@ def trial_settings(ctx: SweepContext, config: dict[str, Any], run_id: str, **ext
 
 
 def _fit(ctx: SweepContext, settings: TrialSettings, config: dict[str, Any], name: str, callbacks: list[Any]) -> Any:
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
     import ray
     import ray.data
 
@@ -293,27 +239,16 @@ def _fit(ctx: SweepContext, settings: TrialSettings, config: dict[str, Any], nam
     aug = augment_config(float(config["aug_strength"]), ctx.hflip)
     # The minival goes by object ref, not Ray Data: it is small, read at every evaluation, and a second
     # streaming dataset per trial would compete with the training reads for the few CPUs trials leave free.
-    loop_config = {**settings.model_dump(mode="json"), VAL_ROWS: ray.put(load_rows(ctx.data, "val", size=size))}
+    inputs = {VAL_ROWS: ray.put(load_rows(ctx.data, "val", size=size))}
     datasets = {}
     if ctx.in_memory:
-        loop_config[TRAIN_ROWS] = ray.put(memory_rows(ctx.data, size=size, aug=aug))
+        inputs[TRAIN_ROWS] = ray.put(memory_rows(ctx.data, size=size, aug=aug))
     else:
         datasets["train"] = train_dataset(ctx.data, size=size, aug=aug)
-    trainer = TorchTrainer(
-        finetune_loop_per_worker,
-        train_loop_config=loop_config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=ctx.num_workers, use_gpu=ctx.use_gpu, resources_per_worker=ctx.resources_per_worker
-        ),
-        run_config=ray.train.RunConfig(
-            name=name,
-            storage_path=ctx.storage_path,
-            storage_filesystem=ctx.filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=ctx.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=ctx.keep_checkpoints),
-            callbacks=callbacks,
-        ),
-        datasets=datasets,
+    trainer = build_trainer(
+        {**settings.model_dump(mode="json"), DRIVER_INPUTS: inputs}, run_name=name,
+        location=(ctx.storage_path, ctx.filesystem), workers=ctx.workers, max_failures=ctx.max_failures,
+        keep=ctx.keep_checkpoints, datasets=datasets, hooks=TrialHooks(), callbacks=callbacks, preserve_order=False,
     )
     return trainer.fit()
 
@@ -346,8 +281,6 @@ def _run_segments(ctx: SweepContext, config: dict[str, Any], trial_id: str, run_
     copy: training goes on from it in a new Train run named after it, with
     this trial's own (possibly mutated) hyper-parameters.
     """
-    import hashlib
-
     import pyarrow.fs as pafs
     from ray import tune
 
@@ -369,12 +302,3 @@ def _run_segments(ctx: SweepContext, config: dict[str, Any], trial_id: str, run_
         tune.report(dict(result.metrics), checkpoint=tune.Checkpoint(path, filesystem=fs))
 
 
-__all__ = [
-    "SweepContext",
-    "TrainingDivergedError",
-    "TrialSettings",
-    "build_finetune_optimizer",
-    "finetune_loop_per_worker",
-    "latest_checkpoint",
-    "run_trial",
-]

@@ -13,33 +13,27 @@ its driver dies. A config whose run already finished is not trained again.
 
 from __future__ import annotations
 
-import copy
-import json
-import logging
 import os
-import tempfile
-from pathlib import Path
 from typing import Any, Literal
 
+import torch
+from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, Field
 
+import vit
 from pipelines.core import tracking
-from pipelines.core.stage_config import load_stage_config
-from pipelines.core.errors import VitpipeError, find_vitpipe_error
 from pipelines.core.cluster import connect
+from pipelines.core.shards import read_manifest
 from pipelines.core.uris import strip_userinfo
-from pipelines.training.loop import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, train_loop_per_worker
-from pipelines.training.recipe import TrainRecipe
-from pipelines.training.step import LoopSettings
+from pipelines.core.stage_config import load_stage_config
+from pipelines.core.stage_run import stage_run
+from pipelines.image.data import patch_dataset
+from pipelines.training.recipe import LoopSettings, TrainRecipe
+from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, storage_location
 
-logger = logging.getLogger(__name__)
 STAGE = "pretrain"
 # Fields that say where to record or how to retry, not what is trained: they stay out of the run identity.
 _NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "ingest_run_id", "max_failures"}
-
-
-class TrainingDivergedError(VitpipeError):
-    """The loss or gradients became NaN/inf; the last good checkpoint is kept."""
 
 
 class PretrainConfig(TrainRecipe):
@@ -89,8 +83,6 @@ def model_overrides(config: PretrainConfig, manifest: dict[str, Any]) -> dict[st
     its stem's feature map, so its preset keeps it). The model must then read
     exactly the stored patch sequences: same number of patches, same patch length.
     """
-    import vit
-
     out = dict(config.model_overrides)
     out.setdefault("num_classes", int(manifest.get("num_classes") or len(manifest["classes"])))
     derived: dict[str, Any] = {}
@@ -115,10 +107,6 @@ def model_overrides(config: PretrainConfig, manifest: dict[str, Any]) -> dict[st
 
 def _model_config(name: str, overrides: dict[str, Any]) -> Any:
     """The model's config without allocating its weights (bad names and fields raise ValueError)."""
-    import torch
-
-    import vit
-
     if vit.is_vit_name(name):
         return vit.preset_config(name, **overrides)
     with torch.device("meta"):  # any registered family: build shapes only
@@ -132,7 +120,7 @@ def loop_settings(
     """What every worker receives (no credentials: Ray exports it to its state API)."""
     return config.loop_settings(
         has_val=has_val, run_id=run_id, tracking_uri=tracking_uri, train_rows=train_rows,
-        model_name=config.model, model_overrides=overrides, eval_batch_size=config.eval_batch_size,
+        model_name=config.model, model_overrides=overrides,
     )
 
 
@@ -143,127 +131,18 @@ def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, 
     return tree
 
 
-def storage_location(config: Any) -> tuple[str, Any]:
-    """`(storage_path, storage_filesystem)` for Ray Train's RunConfig."""
-    from pipelines.core import storage
+def patch_datasets(config: PretrainConfig, settings: LoopSettings) -> dict[str, Any]:
+    """The image patch datasets of `config.data` the workers stream.
 
-    return storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
-
-
-def build_trainer(config: Any, settings: LoopSettings, run_name: str, datasets: dict[str, Any] | None = None) -> Any:
-    """The `TorchTrainer` of this stage: datasets, scaling, storage, failure and checkpoint policy.
-
-    `datasets` defaults to the image patch datasets of `config.data`; another
-    modality's stage (e.g. `pipelines.video.train`) passes its own.
+    Reproducible: every pass over the data has its own seeded file order and
+    crops, chained into one dataset that covers the run.
     """
-    import ray.data
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    if datasets is None:
-        from pipelines.image.data import patch_dataset
-
-        # Reproducible: every pass over the data has its own seeded file order and crops, chained
-        # into one dataset that covers the run.
-        datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, seed=config.seed,
-                                           epochs=config.passes_over(settings.train_rows),
-                                           endpoint_url=config.endpoint_url)}
-        if settings.val_dataset:
-            datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
-    # Ray Data keeps the rows in the datasets' order (so a seeded run streams the same batches); the
-    # context's own options otherwise, as Train's defaults. Copied, since Ray's helper for this
-    # passes a deprecated field and warns on every run.
-    options = copy.copy(ray.data.DataContext.get_current().execution_options)
-    options.preserve_order = True
-    dataset_config = ray.train.DataConfig(execution_options=options)
-    storage_path, filesystem = storage_location(config)
-    resources = config.resources_per_worker or ({"CPU": 1, "GPU": 1} if config.use_gpu else {"CPU": 1})
-    return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=settings.model_dump(mode="json"),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=config.num_workers, use_gpu=config.use_gpu, resources_per_worker=resources
-        ),
-        run_config=ray.train.RunConfig(
-            name=run_name,
-            storage_path=storage_path,
-            storage_filesystem=filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=config.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.keep_last),
-        ),
-        datasets=datasets,
-        dataset_config=dataset_config,
-    )
-
-
-def _log_outputs(client: Any, tracking_uri: str, run_id: str, result: Any) -> str | None:
-    """Log the final and best checkpoints, the learning curve and the model; returns the model URI."""
-    import pyarrow.fs as pafs
-
-    import vit
-
-    with result.checkpoint.as_directory() as final_dir:
-        tracking.log_checkpoint_dir(client, run_id, final_dir, "checkpoints/final")
-        model = vit.load_checkpoint(final_dir)
-    best_path = f"{result.path}/{BEST_DIR}"
-    with tempfile.TemporaryDirectory() as tmp:
-        if result.filesystem.get_file_info(best_path).type == pafs.FileType.Directory:
-            pafs.copy_files(best_path, tmp, source_filesystem=result.filesystem)
-            tracking.log_checkpoint_dir(client, run_id, tmp, "checkpoints/best")
-            client.log_artifact(run_id, str(Path(tmp, BEST_INFO_FILE)), "checkpoints/best")
-        else:  # no validation split: the final model is the best one known
-            with result.checkpoint.as_directory() as final_dir:
-                tracking.log_checkpoint_dir(client, run_id, final_dir, "checkpoints/best")
-    tracking.log_learning_curve(client, run_id)
-    return tracking.log_torch_model(tracking_uri, run_id, model)
-
-
-def _read_diverged(result: Any) -> dict[str, Any] | None:
-    """The divergence note the workers left in the run dir, or None."""
-    import pyarrow.fs as pafs
-
-    path = f"{result.path}/{DIVERGED_FILE}"
-    if result.filesystem.get_file_info(path).type != pafs.FileType.File:
-        return None
-    with result.filesystem.open_input_stream(path) as f:
-        return json.loads(f.read())
-
-
-def _clear_diverged(storage_path: str, filesystem: Any, run_name: str) -> None:
-    """Remove a divergence note left by an earlier execution of this run (it is judged afresh)."""
-    import pyarrow.fs as pafs
-
-    fs = filesystem or pafs.LocalFileSystem()
-    path = f"{storage_path}/{run_name}/{DIVERGED_FILE}"
-    if fs.get_file_info(path).type == pafs.FileType.File:
-        fs.delete_file(path)
-
-
-def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: str, *, stage: str = STAGE) -> Any:
-    """`trainer.fit()` with the stage's error policy; returns Ray Train's Result.
-
-    Worker errors become one `VitpipeError` line; a run whose loss went NaN/inf
-    raises `TrainingDivergedError` naming the last good checkpoint. `config`
-    needs `storage`, `endpoint_url` and `max_failures`.
-    """
-    _clear_diverged(*storage_location(config), run_name)
-    try:
-        result = trainer.fit()
-    except Exception as err:  # Ray wraps worker errors; give the user one line
-        known = find_vitpipe_error(err)
-        if known is not None:
-            raise known from err
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise VitpipeError(f"{stage}: training failed (max_failures={config.max_failures}): {first}") from err
-    tracking.set_tags(client, run_id, {"vitpipe.storage_path": str(result.path)})
-    diverged = _read_diverged(result)
-    if diverged is not None:
-        last = result.checkpoint.path if result.checkpoint else "none (it diverged before the first checkpoint)"
-        raise TrainingDivergedError(
-            f"{stage} stopped: loss/gradients became non-finite at step {diverged['step']}; "
-            f"the last good checkpoint is kept: {last}"
-        )
-    return result
+    datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, seed=config.seed,
+                                       epochs=config.passes_over(settings.train_rows),
+                                       endpoint_url=config.endpoint_url)}
+    if settings.val_dataset:
+        datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
+    return datasets
 
 
 def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
@@ -286,15 +165,9 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     Raises `TrainingDivergedError` when the loss goes NaN/inf and `VitpipeError`
     when training fails beyond `max_failures` restarts.
     """
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.core.shards import read_manifest
-
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     overrides = model_overrides(config, manifest)
     has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
-    digest = tracking.config_hash(run_identity(config, manifest))
-    run_name = config.run_name or f"{STAGE}-{digest[:12]}"
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
 
@@ -305,27 +178,17 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
         **({"vitpipe.ingest_run_id": config.ingest_run_id} if config.ingest_run_id else {}),
         **tracking.system_info(config.num_workers, config.use_gpu),
     }
-    run_id, previous = tracking.start_stage_run(
-        client, config.experiment, STAGE, digest, run_name=run_name, parent_run_id=config.parent_run_id, tags=tags
-    )
-    if previous == "FINISHED":
-        logger.info("pretrain: run %s already finished with this config; not training again", run_id)
-        return _result_from_run(client, run_id, reused=True)
-    if previous:
-        logger.info("pretrain: resuming run %s (was %s)", run_id, previous)
-
-    settings = loop_settings(config, overrides, has_val, run_id, tracking_uri,
-                             train_rows=int(manifest.get("counts", {}).get("train", 0)) or None)
-    resolved = {**config.model_dump(mode="json"), "model_overrides": overrides, "grad_accum_steps": config.grad_accum_steps}
-    tracking.log_params(client, run_id, resolved)
-    tracking.log_dict_artifact(client, run_id, resolved, "config.yaml")
-    ok = False
-    try:
-        trainer = build_trainer(config, settings, run_name)
-        result = fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
-        model_uri = _log_outputs(client, tracking_uri, run_id, result)
-        tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
-        ok = True
-    finally:
-        tracking.end_run(client, run_id, ok)
-    return _result_from_run(client, run_id, reused=False)
+    with stage_run(client, STAGE, config, run_identity(config, manifest), tags=tags) as run:
+        if run.finished:
+            return _result_from_run(client, run.run_id, reused=True)
+        settings = loop_settings(config, overrides, has_val, run.run_id, tracking_uri,
+                                 train_rows=int(manifest.get("counts", {}).get("train", 0)) or None)
+        run.log_config({**config.model_dump(mode="json"), "model_overrides": overrides,
+                        "grad_accum_steps": config.grad_accum_steps})
+        trainer = build_trainer(
+            settings.model_dump(mode="json"), run_name=run.name, location=storage_location(config), workers=config,
+            max_failures=config.max_failures, keep=config.keep_last, datasets=patch_datasets(config, settings),
+        )
+        result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
+        run.set_tags({"vitpipe.model_uri": log_outputs(client, tracking_uri, run.run_id, result) or ""})
+    return _result_from_run(client, run.run_id, reused=False)

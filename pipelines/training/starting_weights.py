@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import vit
+from pipelines.core.storage import open_store
 from pipelines.core.uris import strip_userinfo
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
@@ -72,8 +74,6 @@ def _is_project_checkpoint(directory: Path) -> bool:
 
 def check_architecture(model: Any, model_name: str, overrides: dict[str, Any], source: str) -> None:
     """Raise a one-line ValueError when `model`'s shapes differ from the requested `model_name` + overrides."""
-    import vit
-
     wanted = vit.preset_config(model_name, **{k: v for k, v in overrides.items() if k != "num_classes"})
     have = model.config
     diffs = [f"{f} {getattr(have, f)!r} (checkpoint) vs {getattr(wanted, f)!r} (requested)"
@@ -94,8 +94,6 @@ def _not_found(err: Exception) -> bool:
 
 def _from_run(init: str, tracking_uri: str) -> tuple[Any, str]:
     import mlflow
-
-    import vit
 
     if init.startswith("runs:/"):
         run_id, _, artifact = init.removeprefix("runs:/").partition("/")
@@ -142,10 +140,6 @@ def _from_registry(init: str, tracking_uri: str) -> tuple[Any, str | None]:
 
 
 def _from_storage(init: str, endpoint_url: str | None) -> Any:
-    from pipelines.core.storage import open_store
-
-    import vit
-
     store = open_store(init, endpoint_url=endpoint_url)
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("config.json", "model.safetensors"):
@@ -156,8 +150,6 @@ def _from_storage(init: str, endpoint_url: str | None) -> Any:
 
 
 def _from_foreign(init: str, model_name: str | None, overrides: dict[str, Any]) -> Any:
-    import vit
-
     path = Path(init.removeprefix("file://"))
     if not path.exists():
         raise ValueError(f"init {init}: no such file or directory (and not a run id, runs:/ or models:/ URI)")
@@ -189,8 +181,6 @@ def fetch_starting_weights(
     A from-scratch model's random weights are drawn from `seed`.
     """
     import torch
-
-    import vit
 
     kind = init_kind(init)
     source = "none" if kind == "scratch" else strip_userinfo(str(init))

@@ -14,56 +14,17 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-Precision = Literal["auto", "bf16", "fp32"]
+import vit
+from pipelines.training.recipe import LoopSettings, Precision
+
 TRAIN_STATE_FILE = "train_state.pt"
-
-
-class LoopSettings(BaseModel):
-    """Everything a worker needs; built by the stage driver, holds no credentials."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_name: str
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    # A vit checkpoint dir to start from: a local path for `build_model`; the Ray Train loop reads it
-    # from the run's storage filesystem (local storage: the same path).
-    init_checkpoint: str | None = None
-    # What a batch holds: "image" patches `(B, N, P·P·C)`, "video" clips (see `pipelines.video.data`), or
-    # "features" clips of precomputed frame features (see `pipelines.video.feature_data`).
-    modality: Literal["image", "video", "features"] = "image"
-    steps: int = Field(gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear"] = "linear"
-    lr: float = Field(1e-3, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    momentum: float = Field(0.9, ge=0, lt=1)  # SGD only
-    clip_grad_norm: float | None = 1.0
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    precision: Precision = "auto"
-    batch_size_per_worker: int = Field(gt=0)
-    grad_accum_steps: int = Field(1, gt=0)
-    eval_interval: int = Field(0, ge=0)  # 0: evaluate only at the end
-    eval_batch_size: int | None = None
-    checkpoint_interval: int = Field(0, ge=0)  # 0: checkpoint only at the end
-    log_interval: int = Field(10, gt=0)
-    shuffle_buffer: int = Field(0, ge=0)  # rows in each worker's local shuffle buffer; 0 = off
-    torch_threads: int | None = None
-    seed: int = 0
-    train_dataset: str = "train"
-    train_rows: int | None = None  # rows of the train split: the logged epoch is the fraction of them seen
-    val_dataset: str | None = "val"
-    mlflow_run_id: str | None = None
-    tracking_uri: str | None = None
 
 
 # ---------------------------------------------------------------- precision
@@ -283,8 +244,6 @@ def save_train_state(
     `position` holds the step and the data position (epoch, batches consumed in
     it); `rng_states` holds one torch RNG state per rank.
     """
-    import vit
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vit.save_checkpoint(model, directory)
@@ -304,8 +263,6 @@ def load_train_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, Any]:
     """Restore weights (and optimizer/scheduler when given) from `save_train_state`; returns the state dict."""
-    import vit
-
     directory = Path(directory)
     model.load_state_dict(vit.load_checkpoint(directory).state_dict())
     # weights_only: a checkpoint from shared storage must not be able to run code.
@@ -319,8 +276,6 @@ def load_train_state(
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch."""
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -328,8 +283,6 @@ def seed_everything(seed: int) -> None:
 
 def build_model(s: LoopSettings) -> nn.Module:
     """The model of `s`: a fresh `vit.create_model`, or `init_checkpoint` loaded (head resized when asked)."""
-    import vit
-
     if s.init_checkpoint:
         model = vit.load_checkpoint(s.init_checkpoint)
         classes = s.model_overrides.get("num_classes")

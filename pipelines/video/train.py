@@ -10,7 +10,7 @@ across time. This stage
   at the frame size of the clips (learned position embeddings interpolated as
   for fine-tuning, `vit.at_resolution`);
 * trains it on Ray Train with the image pipeline's worker loop
-  (`pipelines.training.loop`, `modality="video"`: the same steps, checkpoints,
+  (`pipelines.training.loop` with `pipelines.video.loop_hooks`: the same steps, checkpoints,
   resume, NaN stop and rank-0 logging), on clips of `train_frames` frames
   sampled from each video's stored frames, with the paper's recipe by default
   (SGD, lr 1e-3, momentum 0.9, 16 frames);
@@ -48,6 +48,8 @@ from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.training.recipe import TrainRecipe
+from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
+from pipelines.video.loop_hooks import ClipHooks, FeatureHooks
 from pipelines.core.shards import class_names
 from pipelines.video.data import ClipSpec, clip_dataset, manifest_digest, split_count, stored_clip_length
 from pipelines.video.eval import EVAL_TABLE, log_evaluation
@@ -152,12 +154,11 @@ def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str
 
 
 def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_id: str | None,
-                  tracking_uri: str | None, train_rows: int | None = None, modality: str = "video") -> Any:
-    """What every worker receives: the image loop's settings in video (or features) modality, starting from the
-    staged VTN."""
+                  tracking_uri: str | None, train_rows: int | None = None) -> Any:
+    """What every worker receives: the shared loop's settings, starting from the staged VTN."""
     return config.loop_settings(
         has_val=has_val, run_id=run_id, tracking_uri=tracking_uri, train_rows=train_rows, model_name="vtn",
-        init_checkpoint=init_path, modality=modality, optimizer=config.optimizer, momentum=config.momentum,
+        init_checkpoint=init_path,
     )
 
 
@@ -232,25 +233,24 @@ def _run_tags(config: VideoTrainConfig, manifest: dict[str, Any], initial: Initi
 def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialModel, client: Any, run_id: str,
          run_name: str, tracking_uri: str) -> Any:
     """Train the staged VTN on Ray Train with the shared worker loop; returns the trainer's result."""
-    from pipelines.image.finetune import stage_init
-    from pipelines.image.pretrain import build_trainer, fit_trainer, storage_location
-
     has_val = (split_count(manifest, "val") or 0) > 0
     storage_path, filesystem = storage_location(config)
     # Workers read the starting VTN from the run's storage; a resumed execution keeps the one it staged first.
     init_path = stage_init(initial.model, storage_path, filesystem, run_name)
-    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest),
-                             modality="features" if is_features(manifest) else "video")
-    trainer = build_trainer(config, settings, run_name, datasets=clip_datasets(config, manifest, initial.frame_size, has_val))
+    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest))
+    trainer = build_trainer(
+        settings.model_dump(mode="json"), run_name=run_name, location=(storage_path, filesystem), workers=config,
+        max_failures=config.max_failures, keep=config.keep_last,
+        hooks=FeatureHooks() if is_features(manifest) else ClipHooks(),
+        datasets=clip_datasets(config, manifest, initial.frame_size, has_val),
+    )
     return fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
 
 
 def _log_model(config: VideoTrainConfig, client: Any, tracking_uri: str, run_id: str, result: Any,
                tags: dict[str, str]) -> None:
     """Log the final model (MLflow PyTorch model) and register it when `registry_model` is set."""
-    from pipelines.image.pretrain import _log_outputs
-
-    model_uri = _log_outputs(client, tracking_uri, run_id, result)
+    model_uri = log_outputs(client, tracking_uri, run_id, result)
     tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
     if config.registry_model and model_uri:
         lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
