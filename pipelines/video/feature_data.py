@@ -32,6 +32,7 @@ from torch import nn
 
 import vit
 from pipelines.core.datasets import seeded_passes
+from pipelines.core.shards import read_manifest
 from pipelines.core.storage import open_store
 from pipelines.video import shards as video_shards
 from pipelines.video.data import ClipSpec, check_classes, check_video_manifest, clip_rounds, shard_keys
@@ -106,8 +107,6 @@ def is_features(manifest: dict[str, Any]) -> bool:
 
 def read_training_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The manifest of a video ingest output or of a video features output; `VitpipeError` (one line) otherwise."""
-    from pipelines.core.shards import read_manifest
-
     manifest = read_manifest(uri, endpoint_url=endpoint_url)
     return check_classes(uri, manifest) if is_features(manifest) else check_video_manifest(uri, manifest)
 

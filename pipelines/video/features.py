@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 STAGE = "video_features"
 PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
 
-__all__ = ["FrameFeatures", "VideoFeaturesConfig", "VideoFeaturesResult", "load_config", "read_features_manifest",
+__all__ = ["FrameFeatures", "VideoFeaturesConfig", "VideoFeaturesResult", "load_config",
            "run_video_features"]
 
 
@@ -119,19 +119,6 @@ class VideoFeaturesResult(BaseModel):
 def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: Any) -> VideoFeaturesConfig:
     """A `VideoFeaturesConfig` from a YAML/JSON file or a dict, with one-line errors."""
     return load_stage_config(VideoFeaturesConfig, STAGE, source, overrides)
-
-
-# ---------------------------------------------------------------- the format
-
-
-def read_features_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The manifest of a finished video features output; raises `VitpipeError` (one line) otherwise."""
-    from pipelines.core.shards import read_manifest
-
-    manifest = read_manifest(uri, endpoint_url=endpoint_url)
-    if manifest.get("format") != FORMAT:
-        raise VitpipeError(f"{uri}: not a video features output (format {manifest.get('format')!r}, expected {FORMAT!r})")
-    return manifest
 
 
 # ---------------------------------------------------------------- the actors
