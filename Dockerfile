@@ -10,12 +10,13 @@ ARG RAY_VERSION=2.60.0
 ARG PYTHON_TAG=py311
 ARG CUDA_TAG=cu128
 
-# Stage 1: every wheel the runtime needs, checked against the lock's hashes, and vitpipe's own.
-# Anything without a wheel for this platform is built here, so no compiler reaches the runtime.
+# Stage 1: every wheel the runtime needs, checked against the lock's hashes, and vitpipe's own,
+# built here so that its build tools and sources stay out of the runtime.
 FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-${CUDA_TAG} AS wheels
 WORKDIR /home/ray/src
 COPY --chown=ray:users requirements/cuda.txt requirements/cuda.txt
-RUN pip wheel --no-cache-dir --require-hashes --wheel-dir /home/ray/wheels/deps -r requirements/cuda.txt
+RUN pip wheel --no-cache-dir --only-binary :all: --require-hashes --wheel-dir /home/ray/wheels/deps \
+    -r requirements/cuda.txt
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users vit vit
 COPY --chown=ray:users pipelines pipelines

@@ -15,8 +15,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Wheels only: the image installs the locked files as they are, checked against these hashes.
 common=(pyproject.toml --extra video --extra bayes
-        --python-version 3.11 --python-platform x86_64-manylinux_2_28
+        --python-version 3.11 --python-platform x86_64-manylinux_2_28 --only-binary :all:
         --generate-hashes --custom-compile-command "requirements/compile.sh" "$@")
 # shellcheck disable=SC2206  # TORCH_CPU_SOURCE is an option and its value: split on purpose
 cpu_source=(${TORCH_CPU_SOURCE:---torch-backend cpu})
