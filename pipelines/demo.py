@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelines.core.cluster import connect
+from pipelines.core.errors import VitpipeError
 from pipelines.corpora.images import export_digits, synth_corpus
 from pipelines.corpora.videos import synth_video_corpus
 from pipelines.runner import PipelineResult, run_pipeline
@@ -88,9 +89,20 @@ def video_comparison(result: PipelineResult) -> str:
     return "\n".join(lines)
 
 
+def _require_video_extra() -> None:
+    """Fail in one line naming the extra to install when PyAV (the `video` extra) does not import."""
+    try:
+        import av  # noqa: F401  (only whether it imports matters here)
+    except ImportError as err:
+        raise VitpipeError(f"the video demo needs PyAV, which did not import ({err}): "
+                           "pip install 'vitpipe[video]'") from None
+
+
 def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[str] = (),
              video: bool = False) -> tuple[PipelineResult, str]:
     """Write the corpora, run the demo pipeline (or the video demo's); returns its result and the comparison text."""
+    if video:
+        _require_video_extra()  # before starting Ray or writing anything
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(root, list(overrides), video=video)

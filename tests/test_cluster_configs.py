@@ -1,21 +1,32 @@
-"""The cluster configs in cluster/: they parse, carry what their tools require, run an existing spec,
-and hold no credentials (static checks; nothing is launched)."""
+"""The cluster configs in cluster/, the Dockerfile and the locks in requirements/: they parse, carry what
+their tools require, run an existing spec, agree on one image, Ray and Python, install nothing when a
+node starts, and hold no credentials (static checks; nothing is built or launched)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+import ray
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from pipelines.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
 YAMLS = ["aws.yaml", "kuberay/raycluster.yaml", "kuberay/rayjob.yaml"]
+LOCKS = {"cpu": ROOT / "requirements" / "cpu.txt", "cuda": ROOT / "requirements" / "cuda.txt"}
+# A command that installs software: none may run when a node or pod starts.
+INSTALL = re.compile(r"\b(pip3?|uv pip|conda|mamba|apt(-get)?|yum|dnf)\s+install\b")
 SECRET_ENV = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIAL)", re.I)
 SECRET_LITERALS = [
     re.compile(r"AKIA[0-9A-Z]{16}"),  # an AWS access key id
@@ -64,7 +75,6 @@ def test_aws_launcher_starts_ray_with_token_auth_and_object_store_size() -> None
     config = load("aws.yaml")
     for command in (config["head_start_ray_commands"][-1], config["worker_start_ray_commands"][-1]):
         assert "RAY_AUTH_MODE=token" in command and "--object-store-memory" in command
-    assert any("torch" in c and "download.pytorch.org/whl/cu" in c for c in config["setup_commands"])
 
 
 @pytest.mark.parametrize("name, kind", [("kuberay/raycluster.yaml", "RayCluster"), ("kuberay/rayjob.yaml", "RayJob")])
@@ -124,4 +134,170 @@ def test_local_cluster_script_is_valid_bash() -> None:
 
 def test_local_cluster_script_rejects_unknown_command() -> None:
     result = subprocess.run(["bash", str(CLUSTER / "local_cluster.sh"), "bogus"], capture_output=True, text=True)
+    assert result.returncode == 2 and "usage:" in result.stderr
+
+
+# --- One image: the Dockerfile, the locks and the configs agree -------------------------------------
+
+
+def image_tag() -> str:
+    """The image reference defined once, in cluster/image.sh."""
+    done = subprocess.run(["bash", str(CLUSTER / "image.sh"), "tag"], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def dockerfile_args() -> dict[str, str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+
+
+def locked(name: str) -> dict[str, str]:
+    """`package: version` pinned by one lock file."""
+    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", LOCKS[name].read_text(), re.M)
+    return {canonicalize_name(package): version for package, version in pins}
+
+
+def lock_python() -> str:
+    """The Python version the locks are compiled for (requirements/compile.sh)."""
+    return re.search(r"--python-version (\d+\.\d+)", (ROOT / "requirements" / "compile.sh").read_text()).group(1)
+
+
+def all_images() -> dict[str, str]:
+    """Every container image the cluster configs name, by where it is named."""
+    images = {"aws.yaml docker.image": load("aws.yaml")["docker"]["image"]}
+    for name, path in (("kuberay/raycluster.yaml", ("spec",)), ("kuberay/rayjob.yaml", ("spec", "rayClusterSpec"))):
+        spec: Any = load(name)
+        for key in path:
+            spec = spec[key]
+        for i, container in enumerate(cluster_containers(spec)):
+            images[f"{name} container {i} ({container['name']})"] = container["image"]
+    return images
+
+
+def test_every_config_names_the_image_that_image_sh_builds() -> None:
+    tag = image_tag()
+    assert {where: image for where, image in all_images().items() if image != tag} == {}, f"expected {tag}"
+
+
+def test_image_tag_names_vitpipe_ray_python_and_cuda_of_the_dockerfile() -> None:
+    args = dockerfile_args()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    tag = image_tag().rsplit(":", 1)[1]
+    assert tag == f"{version}-ray{args['RAY_VERSION']}-{args['PYTHON_TAG']}-{args['CUDA_TAG']}"
+
+
+def test_dockerfile_stages_start_from_rays_gpu_image_of_its_versions() -> None:
+    bases = re.findall(r"^FROM (\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert len(bases) >= 2  # multi-stage: the wheels are built apart from the runtime
+    assert set(bases) == {"rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-${CUDA_TAG}"}
+    assert re.fullmatch(r"cu\d+", dockerfile_args()["CUDA_TAG"])  # a GPU image, not -cpu
+
+
+def test_dockerfile_lock_and_kuberay_agree_on_ray() -> None:
+    ray_version = dockerfile_args()["RAY_VERSION"]
+    assert {name: locked(name)["ray"] for name in LOCKS} == {name: ray_version for name in LOCKS}
+    manifests = [load("kuberay/raycluster.yaml")["spec"], load("kuberay/rayjob.yaml")["spec"]["rayClusterSpec"]]
+    assert [m["rayVersion"] for m in manifests] == [ray_version, ray_version]
+
+
+def test_dockerfile_and_lock_agree_on_python() -> None:
+    assert dockerfile_args()["PYTHON_TAG"] == "py" + lock_python().replace(".", "")
+
+
+def test_locks_pin_the_ray_and_python_these_tests_run_on() -> None:
+    assert locked("cpu")["ray"] == ray.__version__
+    assert lock_python() == f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def test_locks_differ_only_in_the_torch_build() -> None:
+    cpu, cuda = locked("cpu"), locked("cuda")
+    assert cpu["torch"].endswith("+cpu") and "+" not in cuda["torch"]  # PyPI's Linux torch is the CUDA build
+    assert cpu["torch"].split("+")[0] == cuda["torch"]
+    shared = set(cpu) & set(cuda) - {"torch"}
+    assert {p: (cpu[p], cuda[p]) for p in shared if cpu[p] != cuda[p]} == {}
+    cuda_only = set(cuda) - set(cpu)
+    assert cuda_only and all(p.startswith(("nvidia-", "cuda-")) or p == "triton" for p in cuda_only), cuda_only
+    assert set(cpu) <= set(cuda)
+
+
+@pytest.mark.parametrize("name", sorted(LOCKS))
+def test_lock_pins_every_runtime_dependency_within_its_range(name: str) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = [Requirement(r) for r in [*project["dependencies"], *extras["video"], *extras["bayes"]]]
+    pins = locked(name)
+    for requirement in wanted:
+        pin = pins.get(canonicalize_name(requirement.name))
+        assert pin is not None, f"{requirement.name} is not in {LOCKS[name].name}"
+        assert requirement.specifier.contains(pin, prereleases=True), f"{requirement.name}=={pin} vs {requirement}"
+
+
+@pytest.mark.parametrize("name", sorted(LOCKS))
+def test_lock_pins_carry_hashes(name: str) -> None:
+    text = LOCKS[name].read_text()
+    hashed = re.findall(r"^\S+==\S+ \\\n\s+--hash=sha256:[0-9a-f]{64}", text, re.M)
+    assert len(hashed) == len(locked(name))
+
+
+def test_dockerfile_installs_the_cuda_lock_with_hashes_offline() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    runtime = text[text.rindex("\nFROM "):]  # the last stage is the image
+    assert "requirements/cuda.txt" in runtime
+    install = re.search(r"pip install[^\n]*-r /tmp/cuda.txt", runtime)
+    assert install and "--require-hashes" in install.group(0) and "--no-index" in install.group(0)
+
+
+def test_dockerignore_lets_in_every_path_the_dockerfile_reads() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    sources = [s for line in re.findall(r"^COPY (?!--from)(?:--\S+ )*(.+)$", text, re.M) for s in line.split()[:-1]]
+    sources += re.findall(r"--mount=type=bind,source=([^,\s]+)", text)
+    ignore = [s for s in (line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines())
+              if s and not s.startswith("#")]
+    assert ignore[0] == "*"  # an allow-list: nothing else gets in
+    allowed = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
+    for source in sources:
+        assert any(source == a or source.startswith(a + "/") for a in allowed), source
+        assert (ROOT / source).exists(), source
+
+
+def test_aws_launcher_config_matches_rays_schema() -> None:
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(load("aws.yaml"), schema)
+
+
+def _aws_commands(config: dict[str, Any]) -> list[str]:
+    keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+            "head_start_ray_commands", "worker_start_ray_commands")
+    commands = [c for k in keys for c in config.get(k) or []]
+    for node_type in config["available_node_types"].values():
+        commands += [c for k in ("initialization_commands", "worker_setup_commands") for c in node_type.get(k) or []]
+    return commands
+
+
+def test_aws_nodes_install_nothing_at_boot() -> None:
+    config = load("aws.yaml")
+    assert config["docker"]["image"]  # the image holds vitpipe, torch and Ray
+    assert [c for c in _aws_commands(config) if INSTALL.search(c)] == []
+
+
+@pytest.mark.parametrize("name, path", [("kuberay/raycluster.yaml", ("spec",)), ("kuberay/rayjob.yaml", ("spec", "rayClusterSpec"))])
+def test_kuberay_pods_install_nothing_at_boot(name: str, path: tuple[str, ...]) -> None:
+    manifest: Any = load(name)
+    spec = manifest
+    for key in path:
+        spec = spec[key]
+    started = [json.dumps([c.get("command"), c.get("args"), c.get("lifecycle")]) for c in cluster_containers(spec)]
+    assert [s for s in started if INSTALL.search(s)] == []
+    runtime_env = yaml.safe_load(manifest["spec"].get("runtimeEnvYAML") or "{}")
+    assert not set(runtime_env) & {"pip", "uv", "conda"}  # a RayJob's runtime env would install per job
+
+
+def test_rayjob_has_the_raycluster_cpu_ingest_group() -> None:
+    groups = {g["groupName"]: g for g in load("kuberay/raycluster.yaml")["spec"]["workerGroupSpecs"]}
+    job_groups = {g["groupName"]: g for g in load("kuberay/rayjob.yaml")["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    assert job_groups.get("cpu-ingest") == groups["cpu-ingest"]
+
+
+def test_image_script_rejects_unknown_command() -> None:
+    result = subprocess.run(["bash", str(CLUSTER / "image.sh"), "bogus"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage:" in result.stderr
