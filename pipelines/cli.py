@@ -20,6 +20,8 @@ from typer.core import TyperGroup
 
 from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
+from pipelines.core.logfile import redact_argv
+from pipelines.core.uris import strip_userinfo
 
 
 def one_line(err: BaseException) -> str:
@@ -47,7 +49,7 @@ class _Group(TyperGroup):
         except Exception as err:
             if os.environ.get("VITPIPE_DEBUG"):
                 raise
-            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(sys.argv[1:]), exc_info=True)
+            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(redact_argv(sys.argv[1:])), exc_info=True)
             expected = isinstance(err, (VitpipeError, ValidationError, ValueError))
             # Anything else is a bug or an outage: name its type, keep the first line, the log has the rest.
             fail(one_line(err) if expected else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}")
@@ -155,6 +157,7 @@ def ingest(
     val_fraction: float = typer.Option(0.1, "--val-fraction"),
     test_fraction: float = typer.Option(0.0, "--test-fraction"),
     max_pixels: Optional[int] = typer.Option(None, "--max-pixels", help="Reject larger images (default: Pillow's limit)."),
+    max_object_bytes: Optional[int] = typer.Option(None, "--max-object-bytes", help="Reject larger objects unread (default 64 MiB)."),
     max_reject_fraction: float = typer.Option(0.01, "--max-reject-fraction"),
     shard_size: int = typer.Option(512, "--shard-size"),
     seed: int = typer.Option(0, "--seed"),
@@ -172,6 +175,8 @@ def ingest(
     )
     if max_pixels is not None:
         fields["max_pixels"] = max_pixels
+    if max_object_bytes is not None:
+        fields["max_object_bytes"] = max_object_bytes
     config = IngestConfig(**fields)
     _log_progress()
     _init_ray(ray_address)
@@ -203,6 +208,7 @@ def video_ingest(
     frame_stride: int = typer.Option(1, "--frame-stride", help="clips: source frames between a clip's frames."),
     clip_stride: int = typer.Option(16, "--clip-stride", help="clips: source frames between clip starts."),
     max_clips: int = typer.Option(10, "--max-clips", help="clips: at most this many per video."),
+    max_object_bytes: int = typer.Option(2**30, "--max-object-bytes", help="Reject larger videos unread."),
     val_fraction: float = typer.Option(0.1, "--val-fraction"),
     test_fraction: float = typer.Option(0.0, "--test-fraction"),
     max_reject_fraction: float = typer.Option(0.01, "--max-reject-fraction"),
@@ -218,7 +224,8 @@ def video_ingest(
     config = VideoIngestConfig(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, frame_size=frame_size,
         sampling=sampling, max_frames=max_frames, clip_length=clip_length, frame_stride=frame_stride,
-        clip_stride=clip_stride, max_clips=max_clips, val_fraction=val_fraction, test_fraction=test_fraction,
+        clip_stride=clip_stride, max_clips=max_clips, max_object_bytes=max_object_bytes,
+        val_fraction=val_fraction, test_fraction=test_fraction,
         max_reject_fraction=max_reject_fraction, shard_size=shard_size, seed=seed, concurrency=concurrency,
     )
     _log_progress()
@@ -315,7 +322,7 @@ def run(
     _log_progress()
     result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())
-    typer.echo(f"pipeline run {result.run_id} in {pipeline_spec.resolved_tracking_uri()}")
+    typer.echo(f"pipeline run {result.run_id} in {strip_userinfo(pipeline_spec.resolved_tracking_uri())}")
     _exit_if_failed(result)
 
 
