@@ -134,7 +134,7 @@ def _cause(exc: BaseException, settings: S3Settings | None) -> tuple[str, bool]:
 
     if isinstance(exc, bce.ClientError):
         return _client_error_cause(exc)
-    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ConnectionClosedError)):
         endpoint = settings.public()["endpoint_url"] if settings and settings.endpoint_url else "the S3 endpoint"
         return f"cannot connect to {endpoint}", True
     if isinstance(exc, (bce.HTTPClientError, bce.ConnectionError, bce.IncompleteReadError, Urllib3Error,
