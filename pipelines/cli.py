@@ -19,6 +19,7 @@ from pipelines import jobs
 from pipelines.cli_errors import ErrorReportingGroup, fail
 from pipelines.core.logfile import console_handler
 from pipelines.core.stage_config import load_stage_config, parse_overrides
+from pipelines.core.uris import strip_userinfo
 from pipelines.stages import STAGES
 
 app = typer.Typer(cls=ErrorReportingGroup, no_args_is_help=True, add_completion=False, help="Distributed ViT pretraining and transfer.")
@@ -103,6 +104,7 @@ def ingest(
     val_fraction: float = typer.Option(0.1, "--val-fraction"),
     test_fraction: float = typer.Option(0.0, "--test-fraction"),
     max_pixels: Optional[int] = typer.Option(None, "--max-pixels", help="Reject larger images (default: Pillow's limit)."),
+    max_object_bytes: Optional[int] = typer.Option(None, "--max-object-bytes", help="Reject larger objects unread (default 64 MiB)."),
     max_reject_fraction: float = typer.Option(0.01, "--max-reject-fraction"),
     shard_size: int = typer.Option(512, "--shard-size"),
     seed: int = typer.Option(0, "--seed"),
@@ -118,6 +120,8 @@ def ingest(
     )
     if max_pixels is not None:
         fields["max_pixels"] = max_pixels
+    if max_object_bytes is not None:
+        fields["max_object_bytes"] = max_object_bytes
     _run_ingest("ingest", fields, ray_address, as_json)
 
 
@@ -134,6 +138,7 @@ def video_ingest(
     frame_stride: int = typer.Option(1, "--frame-stride", help="clips: source frames between a clip's frames."),
     clip_stride: int = typer.Option(16, "--clip-stride", help="clips: source frames between clip starts."),
     max_clips: int = typer.Option(10, "--max-clips", help="clips: at most this many per video."),
+    max_object_bytes: int = typer.Option(2**30, "--max-object-bytes", help="Reject larger videos unread."),
     val_fraction: float = typer.Option(0.1, "--val-fraction"),
     test_fraction: float = typer.Option(0.0, "--test-fraction"),
     max_reject_fraction: float = typer.Option(0.01, "--max-reject-fraction"),
@@ -147,7 +152,8 @@ def video_ingest(
     fields = dict(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, frame_size=frame_size,
         sampling=sampling, max_frames=max_frames, clip_length=clip_length, frame_stride=frame_stride,
-        clip_stride=clip_stride, max_clips=max_clips, val_fraction=val_fraction, test_fraction=test_fraction,
+        clip_stride=clip_stride, max_clips=max_clips, max_object_bytes=max_object_bytes,
+        val_fraction=val_fraction, test_fraction=test_fraction,
         max_reject_fraction=max_reject_fraction, shard_size=shard_size, seed=seed, concurrency=concurrency,
     )
     _run_ingest("video_ingest", fields, ray_address, as_json)
@@ -246,7 +252,7 @@ def run(
     _log_progress()
     result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())
-    typer.echo(f"pipeline run {result.run_id} in {pipeline_spec.resolved_tracking_uri()}")
+    typer.echo(f"pipeline run {result.run_id} in {strip_userinfo(pipeline_spec.resolved_tracking_uri())}")
     _exit_if_failed(result)
 
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from pipelines.core.errors import VitpipeError
-from pipelines.core.logfile import ray_logs_dir, start_log_file
+from pipelines.core.logfile import ray_logs_dir, redact_argv, start_log_file
 
 
 def one_line(err: BaseException) -> str:
@@ -44,7 +44,7 @@ class ErrorReportingGroup(TyperGroup):
         except Exception as err:
             if os.environ.get("VITPIPE_DEBUG"):
                 raise
-            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(sys.argv[1:]), exc_info=True)
+            logging.getLogger("vitpipe").debug("vitpipe %s failed", " ".join(redact_argv(sys.argv[1:])), exc_info=True)
             expected = isinstance(err, (VitpipeError, ValidationError, ValueError))
             # Anything else is a bug or an outage: name its type, keep the first line, the log has the rest.
             fail(one_line(err) if expected else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}")

@@ -10,8 +10,12 @@
 * `tiny_dataset`: a small ingested fractal dataset (local), for stages downstream
   of ingest.
 
-Ray workers never get AWS variables from the environment: stages resolve
-credentials on the driver and pass them along (`pipelines.core.storage.S3Settings`).
+Every process uses its own AWS credential chain; nothing hands the driver's
+credentials to Ray workers. As on a real cluster, where each node has its own
+(an instance role, a profile), the session cluster's workers read a shared
+credentials file of their own (`AWS_SHARED_CREDENTIALS_FILE`, set for the raylet
+only); `s3_server` writes the server's keys into it. The test process itself
+never sees that variable.
 """
 
 from __future__ import annotations
@@ -89,8 +93,13 @@ def command_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+def _node_credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The credentials file of the session cluster's workers (written by `s3_server`)."""
+    return tmp_path_factory.getbasetemp() / "ray-node-aws" / "credentials"
+
+
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     """One real local Ray cluster for the session (dashboard on: Train/Tune need its state API)."""
     import ray
 
@@ -101,14 +110,21 @@ def ray_cluster() -> Iterator[RayCluster]:
     # finished trials' placement groups then leak. Pin it to this cluster's dashboard.
     dashboard_port = _free_port()
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
-    context = ray.init(
-        address="local",  # always a fresh cluster, never one that `ray start` left running
-        _node_ip_address="127.0.0.1",
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port,
-        num_cpus=4,
-    )
+    # The raylet (and so every worker) inherits this; the test process drops it again right after.
+    node_env = {"AWS_SHARED_CREDENTIALS_FILE": str(_node_credentials(tmp_path_factory)), "AWS_CONFIG_FILE": os.devnull}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            mp.delenv(name, raising=False)
+        for name, value in node_env.items():
+            mp.setenv(name, value)
+        context = ray.init(
+            address="local",  # always a fresh cluster, never one that `ray start` left running
+            _node_ip_address="127.0.0.1",
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
+            num_cpus=4,
+        )
     # Ray Data binds its log handler to whatever sys.stderr is on its first run; run it once
     # now, so a CLI test (CliRunner swaps stderr, then closes it) is not where that happens.
     import ray.data
@@ -201,6 +217,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     try:
         _wait_until_up(url, proc, log)
         access_key, secret_key = _enforce_auth(url)
+        node = _node_credentials(tmp_path_factory)  # the session cluster's workers' own chain
+        node.parent.mkdir(parents=True, exist_ok=True)
+        node.write_text(f"[default]\naws_access_key_id = {access_key}\naws_secret_access_key = {secret_key}\n")
         yield S3Server(url, access_key, secret_key)
     finally:
         proc.terminate()

@@ -77,10 +77,11 @@ def test_rows_carry_the_manifest_label_and_split(parquet_run):
     assert result.manifest["split_source"] == "manifest"
 
 
-def test_a_listed_object_that_does_not_exist_is_rejected_as_unreadable(parquet_run):
+def test_a_listed_object_that_does_not_exist_is_rejected_as_missing(parquet_run):
     result, _ = parquet_run
     assert [r["key"] for r in result.manifest["rejected"]] == ["pool/missing.png"]
-    assert result.manifest["rejected"][0]["reason"].startswith("unreadable (does not exist")
+    # a permanent error is a rejection with its cause; "unreadable" marks the read errors of earlier versions
+    assert result.manifest["rejected"][0]["reason"] == "does not exist"
 
 
 def test_csv_manifest_with_integer_labels_and_no_split(ray_cluster, flat, tmp_path):

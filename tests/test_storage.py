@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.core.errors import StorageError
-from pipelines.core.storage import Credentials, LocalStore, S3Settings, open_store, parse_uri, ray_storage
+from pipelines.core.storage import LocalStore, S3Settings, open_store, parse_uri, ray_storage
 from pipelines.core.uris import strip_userinfo
 
 KEYS = ["a.txt", "a/b.jpg", "a-b/c.jpg", "b/x/y.png", "b/z.png", "c"]
@@ -87,20 +87,22 @@ def test_local_listing_is_sorted_like_s3_and_skips_hidden_names(tmp_path):
     assert keys == sorted(KEYS)  # "a-b/..." < "a.txt" < "a/..." in byte order
 
 
-def test_local_and_s3_listings_agree(tmp_path, s3_server, s3_bucket):
+def test_local_and_s3_listings_agree(tmp_path, s3_env, s3_bucket):
+    s3_server = s3_env
     _put_local(tmp_path, KEYS)
     client = s3_server.client()
     for key in KEYS:
         client.put_object(Bucket=s3_bucket, Key=f"root/{key}", Body=key.encode())
     client.put_object(Bucket=s3_bucket, Key="root/dir-marker/", Body=b"")
-    settings = S3Settings(s3_server.endpoint_url, credentials=Credentials(s3_server.access_key, s3_server.secret_key))
+    settings = S3Settings(s3_server.endpoint_url)
     s3_keys = [k for page in open_store(f"s3://{s3_bucket}/root", settings).list_pages() for k in page]
     local_keys = [k for page in LocalStore(str(tmp_path)).list_pages() for k in page]
     assert s3_keys == local_keys
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_listing_streams_in_pages(kind, tmp_path, s3_server, s3_bucket):
+def test_listing_streams_in_pages(kind, tmp_path, s3_env, s3_bucket):
+    s3_server = s3_env
     keys = [f"c/{i:03d}.jpg" for i in range(7)]
     if kind == "local":
         _put_local(tmp_path, keys)
@@ -109,7 +111,7 @@ def test_listing_streams_in_pages(kind, tmp_path, s3_server, s3_bucket):
         client = s3_server.client()
         for key in keys:
             client.put_object(Bucket=s3_bucket, Key=key, Body=b"x")
-        settings = S3Settings(s3_server.endpoint_url, credentials=Credentials(s3_server.access_key, s3_server.secret_key))
+        settings = S3Settings(s3_server.endpoint_url)
         store = open_store(f"s3://{s3_bucket}", settings)
     pages = store.list_pages(page_size=3)
     assert next(pages) == keys[:3]  # a generator: the first page arrives before the rest is listed
@@ -129,8 +131,8 @@ def test_local_keys_cannot_escape_the_root(tmp_path):
         LocalStore(str(tmp_path / "root")).read("../secret.txt")
 
 
-def test_s3_store_round_trips_bytes(s3_server, s3_bucket):
-    settings = S3Settings(s3_server.endpoint_url, credentials=Credentials(s3_server.access_key, s3_server.secret_key))
+def test_s3_store_round_trips_bytes(s3_env, s3_bucket):
+    settings = S3Settings(s3_env.endpoint_url)
     store = open_store(f"s3://{s3_bucket}/p", settings)
     store.write("x/y.bin", b"payload")
     assert store.exists("x/y.bin") and not store.exists("x/z.bin")
@@ -139,10 +141,10 @@ def test_s3_store_round_trips_bytes(s3_server, s3_bucket):
     assert not store.exists("x/y.bin")
 
 
-def test_settings_resolve_endpoint_and_credentials_from_the_environment(s3_env):
+def test_settings_resolve_the_endpoint_from_the_environment_and_clients_use_its_credentials(s3_env, s3_bucket):
     settings = S3Settings.resolve()
     assert settings.endpoint_url == s3_env.endpoint_url
-    assert settings.credentials.secret_key == s3_env.secret_key
+    open_store(f"s3://{s3_bucket}", settings).check()  # signed with the environment's keys
     assert settings.public() == {"endpoint_url": s3_env.endpoint_url, "region": "us-east-1"}
 
 
@@ -161,20 +163,32 @@ def test_settings_resolve_credentials_from_a_profile(s3_server, s3_bucket, tmp_p
     assert store.read("k") == b"v"
 
 
-def test_secrets_stay_out_of_reprs_but_survive_pickling(s3_env):
+def test_settings_and_stores_carry_no_secret_into_what_a_ray_worker_receives(s3_env):
     settings = S3Settings.resolve()
     assert s3_env.secret_key not in repr(settings)
-    assert s3_env.secret_key not in repr(settings.credentials)
     store = open_store("s3://some-bucket/x", settings)
-    copy = pickle.loads(pickle.dumps(store))  # what a Ray worker receives
-    assert copy.settings.credentials.secret_key == s3_env.secret_key
+    blob = pickle.dumps(store)  # what a Ray worker receives
+    assert s3_env.secret_key.encode() not in blob and s3_env.access_key.encode() not in blob
+    assert pickle.loads(blob).settings == settings
 
 
-def _s3_error(s3_server, uri, **settings_kwargs):
-    kwargs = {"endpoint_url": s3_server.endpoint_url, "credentials": Credentials(s3_server.access_key, s3_server.secret_key)}
-    kwargs.update(settings_kwargs)
-    with pytest.raises(StorageError) as info:
-        open_store(uri, S3Settings(**kwargs)).check()
+def test_ray_trains_filesystem_carries_no_secret(s3_env, s3_bucket):
+    path, filesystem = ray_storage(f"s3://{s3_bucket}/runs")
+    blob = pickle.dumps(filesystem)  # what Ray Train ships to its workers
+    assert s3_env.secret_key.encode() not in blob and s3_env.access_key.encode() not in blob
+    assert path == f"{s3_bucket}/runs"
+
+
+def _s3_error(s3_server, uri, endpoint_url=None, keys=None):
+    """The one-line error of checking `uri`, with the server's keys (or `keys`) in this process's chain."""
+    access_key, secret_key = keys or (s3_server.access_key, s3_server.secret_key)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {**s3_server.env, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}.items():
+            mp.setenv(name, value)
+        mp.setenv("AWS_CONFIG_FILE", os.devnull)
+        mp.delenv("AWS_PROFILE", raising=False)
+        with pytest.raises(StorageError) as info:
+            open_store(uri, S3Settings(endpoint_url or s3_server.endpoint_url)).check()
     message = str(info.value)
     assert "\n" not in message and message.startswith(uri)
     return message
@@ -191,13 +205,13 @@ def test_wrong_endpoint_is_one_line_naming_the_uri(s3_server, s3_bucket):
 
 
 def test_unknown_access_key_is_one_line_naming_the_uri(s3_server, s3_bucket):
-    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", credentials=Credentials("AKIAAAAAAAAAAAAAAAAA", "x" * 40))
+    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", keys=("AKIAAAAAAAAAAAAAAAAA", "x" * 40))
     assert "access key is not known" in message
 
 
 def test_wrong_secret_is_one_line_without_the_secret(s3_server, s3_bucket):
     wrong = "wrong-secret-" + "y" * 27
-    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", credentials=Credentials(s3_server.access_key, wrong))
+    message = _s3_error(s3_server, f"s3://{s3_bucket}/data", keys=(s3_server.access_key, wrong))
     assert "signature does not match" in message and wrong not in message
 
 

@@ -26,6 +26,16 @@ class StorageError(VitpipeError):
     """Object storage (local or S3) could not be read or written."""
 
 
+class TransientStorageError(StorageError):
+    """A read or write kept failing, after retries, for a cause that may pass (throttling, a 5xx,
+    a dropped connection, a timeout, expired credentials): the task fails and may be retried,
+    the object is never recorded as bad."""
+
+
+class ObjectTooLarge(StorageError):
+    """An object is larger than the configured cap; it was not read."""
+
+
 class IngestError(VitpipeError):
     """The ingest stage refused its input (too many rejected objects, a bad manifest)."""
 
@@ -59,4 +69,6 @@ def find_vitpipe_error(exc: BaseException) -> VitpipeError | None:
 
 
 _TRACEBACK_LINE = re.compile(r"^pipelines\.core\.errors\.(\w+): (.+)$", re.MULTILINE)
-_CLASSES: dict[str, type[VitpipeError]] = {c.__name__: c for c in (VitpipeError, StorageError, IngestError)}
+_CLASSES: dict[str, type[VitpipeError]] = {
+    c.__name__: c for c in (VitpipeError, StorageError, TransientStorageError, ObjectTooLarge, IngestError)
+}

@@ -9,7 +9,7 @@ The work is a Ray Data pipeline of two operators:
    shuffle. Plans depend only on the listing and the config, which makes shard
    ids stable across reruns.
 2. *process* (many tasks, one shard each) runs the stage's `IngestKind.process`:
-   it fetches the objects with a few I/O threads (`fetch_planned`), decodes them,
+   it fetches the objects with a few I/O threads (`pipelines.core.fetch`), decodes them,
    and writes the shard atomically. A shard already written for the same plan and
    config is reused, which is what makes an interrupted run resumable.
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,8 +36,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.core import plan as ingest_plan, shards
-from pipelines.core.errors import IngestError, StorageError, VitpipeError
-from pipelines.core.storage import S3Settings, S3Store, Store, open_store, parse_uri
+from pipelines.core.errors import IngestError, StorageError, TransientStorageError, VitpipeError, find_vitpipe_error
+from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
 
 log = logging.getLogger("vitpipe.ingest")
 
@@ -59,7 +59,8 @@ class ShardedIngestConfig(BaseModel):
     shard_size: int = Field(512, ge=1)
     mix_window: int = Field(8, ge=1)  # shards whose keys are shuffled together
     concurrency: int | None = Field(None, ge=1)  # shard tasks at once; None: as many as CPUs allow
-    io_threads: int = Field(8, ge=1, le=64)  # S3 fetches in flight per shard task
+    io_threads: int = Field(8, ge=1, le=64)  # objects fetched or in flight per shard task, at most
+    max_object_bytes: int = Field(64 * 2**20, ge=1)  # larger objects are rejected without being read
     compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
 
     @field_validator("source", "output", "manifest")
@@ -73,8 +74,11 @@ class ShardedIngestConfig(BaseModel):
     def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
         if self.val_fraction + self.test_fraction > 1.0:
             raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
-        if parse_uri(self.source).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
+        source, output = parse_uri(self.source), parse_uri(self.output)
+        if source.uri.rstrip("/") == output.uri.rstrip("/"):
             raise ValueError(f"output {self.output} must differ from source")
+        if _inside(output, source):
+            raise ValueError(f"output {self.output} is inside source {self.source}: its shards would be read as input")
         return self
 
     def identity(self) -> dict[str, Any]:
@@ -82,6 +86,15 @@ class ShardedIngestConfig(BaseModel):
         return self.model_dump(
             mode="json", exclude={"output", "endpoint_url", "concurrency", "io_threads", "max_reject_fraction"}
         )
+
+
+def _inside(inner: Location, outer: Location) -> bool:
+    """Whether `inner` lies under `outer` (same bucket or filesystem; local paths with links resolved)."""
+    if (inner.scheme, inner.bucket) != (outer.scheme, outer.bucket):
+        return False
+    if inner.scheme == "file":
+        return os.path.realpath(inner.path).startswith(os.path.realpath(outer.path).rstrip("/") + "/")
+    return not outer.path or inner.path.startswith(outer.path.rstrip("/") + "/")
 
 
 @dataclass
@@ -206,16 +219,32 @@ def _run_pipeline(
             fn_kwargs={"config": config, "source": source, "out": out, "fingerprint": fingerprint, "process": process},
             num_cpus=1,
             compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
+            # A shard whose reads kept failing for a cause that may pass is tried again as a whole.
+            # (Passed as remote args: Ray 2.60 names no parameter for retries; the deprecation is for 2.64.)
+            max_retries=SHARD_TASK_RETRIES,
+            retry_exceptions=[TransientStorageError],
         )
     finally:
         ctx.target_max_block_size, ctx.op_resource_reservation_enabled = previous
     summaries = []
-    for row in ds.iter_rows():
-        summary = json.loads(row["summary"])
-        if "error" in summary:  # a user-facing error on a worker: stop and report it as one line
-            raise _ERRORS.get(summary["error_type"], VitpipeError)(summary["error"])
-        summaries.append(summary)
+    try:
+        for row in ds.iter_rows():
+            summary = json.loads(row["summary"])
+            if "error" in summary:  # a user-facing error on a worker: stop and report it as one line
+                raise _ERRORS.get(summary["error_type"], VitpipeError)(summary["error"])
+            summaries.append(summary)
+    except VitpipeError:
+        raise
+    except Exception as exc:  # a shard task that failed on every try: its own one-line error, if it has one
+        known = find_vitpipe_error(exc)
+        if known is None:
+            raise
+        raise known from None
     return sorted(summaries, key=lambda s: s["index"])
+
+
+# Tries of a shard task after its first one fails with a `TransientStorageError`.
+SHARD_TASK_RETRIES = 2
 
 
 # Errors travel from workers as data: Ray re-raises worker exceptions wrapped, with the
@@ -246,32 +275,14 @@ def _process_udf(
         return {"summary": batch["plan"]}  # pass the planner's error on to the driver
     try:
         summary = process(plan, config, source, out, fingerprint)
+    except TransientStorageError:
+        raise  # Ray retries the task (`SHARD_TASK_RETRIES`); it never becomes a rejection
     except VitpipeError as err:
         return _error_row("summary", err)
     return {"summary": np.array([json.dumps(summary)], dtype=object)}
 
 
 # ---------------------------------------------------------------- helpers of a kind's shard step
-
-
-def fetch_planned(
-    plan: dict[str, Any], config: ShardedIngestConfig, source: Store, rejected: list[dict[str, str]]
-) -> Iterator[tuple[int, bytes]]:
-    """`(position in plan, bytes)` of the plan's objects, in plan order, read a few at a time.
-
-    Objects the planner refused and objects that cannot be read are appended to
-    `rejected` with their reason instead.
-    """
-    todo = [i for i, reason in enumerate(plan["reasons"]) if not reason]
-    rejected.extend({"key": plan["keys"][i], "reason": r} for i, r in enumerate(plan["reasons"]) if r)
-    # Remote reads wait on the network, so keep several in flight; local reads need only run ahead.
-    threads = config.io_threads if isinstance(source, S3Store) else 2
-    with ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
-        for i, data in zip(todo, pool.map(lambda i: fetch(source, plan["keys"][i]), todo)):
-            if isinstance(data, StorageError):
-                rejected.append({"key": plan["keys"][i], "reason": f"unreadable ({data.message.split(': ', 1)[-1]})"})
-                continue
-            yield i, data
 
 
 def shard_counts(plan: dict[str, Any], splits: list[str], names: list[str]) -> dict[str, Any]:
@@ -284,14 +295,6 @@ def shard_counts(plan: dict[str, Any], splits: list[str], names: list[str]) -> d
         "split": dict(Counter(splits)),
         "split_class": {s: dict(c) for s, c in by_split_class.items()},
     }
-
-
-def fetch(source: Store, key: str) -> bytes | StorageError:
-    """An object's bytes, or the `StorageError` that reading it raised (a per-object rejection)."""
-    try:
-        return source.read(key)
-    except StorageError as exc:
-        return exc
 
 
 # ---------------------------------------------------------------- finishing

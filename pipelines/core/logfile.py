@@ -10,11 +10,32 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
 LOG_DIR_ENV = "VITPIPE_LOG_DIR"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# `user:password@` after any `scheme://`, wherever it sits in an argument (`--set tracking_uri=...`).
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+# The last part of a `--set KEY=VALUE` key that names a credential (exact names: `class_token` is no secret).
+_SECRET_NAME = re.compile(
+    r"(^|_)(password|passwd|secret|secret_key|secret_access_key|access_key_id|session_token|auth_token|"
+    r"access_token|api_key|credentials?)$|^token$",
+    re.IGNORECASE,
+)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """`argv` fit for a log: URI userinfo removed, values of `KEY=VALUE` arguments whose key names a credential
+    replaced by `***`."""
+    out = []
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        if sep and _SECRET_NAME.search(key.lstrip("-").rsplit(".", 1)[-1]):
+            arg = f"{key}=***"
+        out.append(_USERINFO.sub(r"\1", arg))
+    return out
 
 
 def log_dir() -> Path:

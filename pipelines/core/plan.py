@@ -83,20 +83,41 @@ def manifest_batches(manifest: Store) -> Iterator[Any]:
 
 
 def manifest_classes(manifest: Store) -> dict[str, int]:
-    """First pass over the manifest: integer labels keep their value, names are numbered sorted."""
+    """First pass over the manifest: integer labels keep their value, names are numbered sorted.
+
+    Also refuses a manifest that names a key twice (its two labels would both be kept).
+    """
     import pyarrow.types as pat
 
     values: set[Any] = set()
     integer = True
+    hashes = []  # 8 bytes a row: 14 M keys hold ~110 MB here, not a set of the keys themselves
     for batch in manifest_batches(manifest):
         column = batch.column("label")
         integer = integer and pat.is_integer(column.type)
         values.update(column.to_pylist())
+        hashes.append(np.fromiter(map(hash, batch.column("key").to_pylist()), dtype=np.int64))
+    _check_unique_keys(manifest, np.concatenate(hashes) if hashes else np.empty(0, np.int64))
     if integer:
         if min(values, default=0) < 0:
             raise IngestError(f"{manifest.uri}: labels must be non-negative")
         return {str(v): int(v) for v in sorted(values)}
     return {name: i for i, name in enumerate(sorted(str(v) for v in values))}
+
+
+def _check_unique_keys(manifest: Store, hashes: np.ndarray) -> None:
+    """Raise one line naming the first row whose key an earlier row already named."""
+    ordered = np.sort(hashes)
+    repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    if not repeated:
+        return
+    seen: set[str] = set()  # only keys whose hash repeats: equal hashes of different keys are not duplicates
+    for batch in manifest_batches(manifest):
+        for key in batch.column("key").to_pylist():
+            if hash(key) in repeated:
+                if key in seen:
+                    raise IngestError(f"{manifest.uri}: key {key} appears more than once")
+                seen.add(key)
 
 
 def cut_shards(items: Iterator[Item], shard_size: int, window: int, seed: int) -> Iterator[dict[str, Any]]:

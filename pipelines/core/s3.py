@@ -1,90 +1,62 @@
-"""S3 settings: endpoint, region and credentials from the standard AWS chain; one-line errors.
+"""S3 settings: endpoint, region and retries; one-line errors that say whether a failure may pass.
 
-Credentials are resolved once by `S3Settings.resolve` on the driver (environment,
-shared profile, instance role) and travel to Ray workers inside the pickled
-settings; they are never part of a repr, a written config or an error message.
-The endpoint (MinIO, a local test server) comes from the caller or
-`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`.
+No credentials live here. Every process (the driver, each Ray worker, Ray Train's
+filesystem) builds its clients from its own AWS credential chain (environment,
+shared profile, instance role, IRSA, SSO), so temporary credentials refresh where
+they are used and nothing secret travels in task arguments. The endpoint (MinIO, a
+local test server) comes from the caller or `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`.
+Retries are configured here, once, for boto3 and pyarrow alike.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipelines.core.errors import StorageError
+from pipelines.core.errors import StorageError, TransientStorageError
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_REGION = "us-east-1"
-
-
-class Credentials:
-    """AWS credentials resolved on the driver; the repr never shows the secret parts."""
-
-    __slots__ = ("access_key", "secret_key", "token")
-
-    def __init__(self, access_key: str, secret_key: str, token: str | None = None) -> None:
-        self.access_key = access_key
-        self.secret_key = secret_key
-        self.token = token
-
-    def __repr__(self) -> str:
-        return f"Credentials(access_key={self.access_key[:4]}…, secret_key=***)"
-
-    def __getstate__(self) -> tuple[str, str, str | None]:
-        return self.access_key, self.secret_key, self.token
-
-    def __setstate__(self, state: tuple[str, str, str | None]) -> None:
-        self.access_key, self.secret_key, self.token = state
+# Attempts per request (the first one included) in botocore's `standard` retry mode, which
+# backs off with jitter on throttling, 5xx, timeouts and dropped connections.
+DEFAULT_MAX_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
 class S3Settings:
-    """Where S3 requests go and with which credentials.
-
-    `credentials=None` lets each process use its own AWS chain. `public()` is
-    the part that may be written to configs and tracking.
-    """
+    """Where S3 requests go and how often they are tried; safe to pickle, log and record."""
 
     endpoint_url: str | None = None
     region: str = DEFAULT_REGION
-    credentials: Credentials | None = field(default=None, repr=False, compare=False)
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
     @classmethod
     def resolve(cls, endpoint_url: str | None = None, region: str | None = None) -> S3Settings:
-        """Settings from the arguments, the environment and the AWS credential chain."""
+        """Settings from the arguments and the environment (`AWS_ENDPOINT_URL(_S3)`, `AWS_MAX_ATTEMPTS`)."""
         import boto3
 
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         if endpoint is not None:
             endpoint = _validate_endpoint(endpoint)
-        session = boto3.Session()
-        found = session.get_credentials()
-        creds = None
-        if found is not None:
-            frozen = found.get_frozen_credentials()
-            creds = Credentials(frozen.access_key, frozen.secret_key, frozen.token)
-        return cls(endpoint, region or session.region_name or DEFAULT_REGION, creds)
+        attempts = os.environ.get("AWS_MAX_ATTEMPTS", "")
+        if attempts and not (attempts.isdigit() and int(attempts) >= 1):
+            raise ValueError(f"AWS_MAX_ATTEMPTS={attempts!r} must be a whole number of at least 1")
+        region = region or boto3.Session().region_name or DEFAULT_REGION
+        return cls(endpoint, region, int(attempts) if attempts else DEFAULT_MAX_ATTEMPTS)
 
     def public(self) -> dict[str, Any]:
-        """The credential-free description (safe for manifests, logs and MLflow)."""
+        """The description written to manifests, logs and MLflow."""
         return {"endpoint_url": strip_userinfo(self.endpoint_url) if self.endpoint_url else None, "region": self.region}
 
-    def secrets(self) -> list[str]:
-        """The strings that must never appear in output (for `redact`)."""
-        if self.credentials is None:
-            return []
-        return [s for s in (self.credentials.secret_key, self.credentials.token) if s]
-
     def boto3_client(self, service: str = "s3") -> Any:
-        """A boto3 client for `service` with these settings (bounded retries and timeouts)."""
+        """A boto3 client for `service`: this process's credential chain, standard retries, bounded timeouts."""
         import boto3
         from botocore.config import Config
 
         config = Config(
-            retries={"max_attempts": 3, "mode": "standard"},
+            retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
             connect_timeout=5,
             read_timeout=60,
             max_pool_connections=32,
@@ -93,34 +65,22 @@ class S3Settings:
         kwargs: dict[str, Any] = {"region_name": self.region, "config": config}
         if self.endpoint_url:
             kwargs["endpoint_url"] = self.endpoint_url
-        if self.credentials is not None:
-            kwargs.update(
-                aws_access_key_id=self.credentials.access_key,
-                aws_secret_access_key=self.credentials.secret_key,
-                aws_session_token=self.credentials.token,
-            )
         # A fresh session: the default one caches the AWS config files and profile of its first use.
         return boto3.session.Session().client(service, **kwargs)
 
     def arrow_filesystem(self) -> Any:
-        """A `pyarrow.fs.S3FileSystem` with these settings."""
+        """A `pyarrow.fs.S3FileSystem` with these settings; it resolves credentials in the process that uses it."""
         import pyarrow.fs as pafs
 
         kwargs: dict[str, Any] = {
             "region": self.region,
             "connect_timeout": 5,
-            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3),
+            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=self.max_attempts),
         }
         if self.endpoint_url:
             parts = urlsplit(self.endpoint_url)
             kwargs["endpoint_override"] = parts.netloc
             kwargs["scheme"] = parts.scheme
-        if self.credentials is not None:
-            kwargs.update(
-                access_key=self.credentials.access_key,
-                secret_key=self.credentials.secret_key,
-                session_token=self.credentials.token,
-            )
         return pafs.S3FileSystem(**kwargs)
 
 
@@ -129,13 +89,6 @@ def _validate_endpoint(endpoint: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"endpoint URL {strip_userinfo(endpoint)!r} must look like http(s)://host:port")
     return endpoint.rstrip("/")
-
-
-def redact(text: str, settings: S3Settings | None) -> str:
-    """`text` with any secret of `settings` replaced by `***`."""
-    for secret in settings.secrets() if settings else []:
-        text = text.replace(secret, "***")
-    return text
 
 
 # ---------------------------------------------------------------- error translation
@@ -152,36 +105,70 @@ _S3_CAUSES = {
     "403": "access denied (check the AWS credentials)",
     "ExpiredToken": "the AWS session token has expired",
 }
+# Error codes that say "try again later", not "this will never work".
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "ServiceUnavailableException",
+    "ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired",
+}
+_ARROW_TRANSIENT = ("NETWORK_CONNECTION", "SLOW_DOWN", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "THROTTLING",
+                    "REQUEST_TIMEOUT", "EXPIRED_TOKEN")
 
 
 def storage_error(uri: str, exc: BaseException, settings: S3Settings | None = None) -> StorageError:
-    """Turn a botocore / pyarrow / OS error into a one-line `StorageError` naming `uri`."""
-    from botocore import exceptions as bce
+    """Turn a botocore / pyarrow / OS error into a one-line error naming `uri`.
 
+    A `TransientStorageError` when the cause may pass (throttling, 5xx, a dropped or timed-out
+    connection, expired credentials), a plain `StorageError` when it will not.
+    """
     if isinstance(exc, StorageError):
         return exc
+    cause, transient = _cause(exc, settings)
+    return (TransientStorageError if transient else StorageError)(f"{strip_userinfo(uri)}: {cause}")
+
+
+def _cause(exc: BaseException, settings: S3Settings | None) -> tuple[str, bool]:
+    """(the cause in words, whether it may pass)."""
+    from botocore import exceptions as bce
+    from urllib3.exceptions import HTTPError as Urllib3Error  # a body cut off mid-read surfaces unwrapped
+
     if isinstance(exc, bce.ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        cause = _S3_CAUSES.get(code) or f"S3 error {code}: {err.get('Message', '')}".strip()
-    elif isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ConnectionClosedError)):
+        return _client_error_cause(exc)
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ConnectionClosedError)):
         endpoint = settings.public()["endpoint_url"] if settings and settings.endpoint_url else "the S3 endpoint"
-        cause = f"cannot connect to {endpoint}"
-    elif isinstance(exc, bce.NoCredentialsError):
-        cause = "no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
-    elif isinstance(exc, bce.BotoCoreError):
-        cause = str(exc)
-    elif isinstance(exc, FileNotFoundError):
-        cause = "does not exist"
-    elif isinstance(exc, NotADirectoryError):
-        cause = "is not a directory"
-    elif isinstance(exc, PermissionError):
-        cause = "permission denied"
-    elif isinstance(exc, OSError) and "AWS Error" in str(exc):
-        cause = _arrow_cause(str(exc))
-    else:
-        cause = f"{type(exc).__name__}: {exc}"
-    return StorageError(redact(f"{strip_userinfo(uri)}: {cause}", settings))
+        return f"cannot connect to {endpoint}", True
+    if isinstance(exc, (bce.HTTPClientError, bce.ConnectionError, bce.IncompleteReadError, Urllib3Error,
+                        ConnectionError, TimeoutError)):
+        return f"connection lost while reading ({_first_line(exc)})", True
+    if isinstance(exc, bce.NoCredentialsError):
+        return "no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)", False
+    if isinstance(exc, bce.BotoCoreError):
+        return _first_line(exc), False
+    if isinstance(exc, FileNotFoundError):
+        return "does not exist", False
+    if isinstance(exc, NotADirectoryError):
+        return "is not a directory", False
+    if isinstance(exc, PermissionError):
+        return "permission denied", False
+    if isinstance(exc, OSError) and "AWS Error" in str(exc):
+        return _arrow_cause(str(exc)), any(marker in str(exc) for marker in _ARROW_TRANSIENT)
+    return f"{type(exc).__name__}: {_first_line(exc)}", False
+
+
+def _client_error_cause(exc: Any) -> tuple[str, bool]:
+    err = exc.response.get("Error", {})
+    meta = exc.response.get("ResponseMetadata", {})
+    code = str(err.get("Code", ""))
+    status = int(meta.get("HTTPStatusCode") or 0)
+    transient = code in _TRANSIENT_CODES or status >= 500 or status == 429
+    cause = _S3_CAUSES.get(code) or f"S3 error {code}: {err.get('Message', '')}".strip().rstrip(":")
+    if transient:
+        cause += f" (after {int(meta.get('RetryAttempts', 0)) + 1} attempts)"
+    return cause, transient
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _arrow_cause(text: str) -> str:

@@ -3,14 +3,19 @@
 A `Store` is a root URI plus the few operations the stages need, addressed by
 keys relative to that root: paginated sorted listing, whole-object reads,
 atomic writes, deletes, and a pyarrow filesystem for Parquet readers.
-Credentials and endpoints are `pipelines.core.s3.S3Settings` (re-exported here).
+Endpoints and retries are `pipelines.core.s3.S3Settings` (re-exported here); credentials
+come from each process's own AWS chain. A read raises `TransientStorageError` when its
+cause may pass and a plain `StorageError` when the object itself is missing or forbidden.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import re
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipelines.core.errors import StorageError
-from pipelines.core.s3 import Credentials, S3Settings, redact, storage_error
+from pipelines.core.errors import ObjectTooLarge, StorageError, TransientStorageError
+from pipelines.core.s3 import S3Settings, storage_error
 from pipelines.core.uris import strip_userinfo
 
 __all__ = [
-    "Credentials", "LocalStore", "Location", "S3Settings", "S3Store", "Store",
-    "join_key", "open_store", "parse_uri", "ray_storage", "redact", "storage_error",
+    "LocalStore", "Location", "S3Settings", "S3Store", "Store",
+    "join_key", "open_store", "parse_uri", "ray_storage", "storage_error",
 ]
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
@@ -94,7 +99,10 @@ class Store:
         """
         raise NotImplementedError
 
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes. Raises `ObjectTooLarge` (before reading the body) when it holds more
+        than `max_bytes`, `TransientStorageError` when the read kept failing for a cause that may
+        pass, and `StorageError` when it cannot be read at all (missing, forbidden)."""
         raise NotImplementedError
 
     def write(self, key: str, data: bytes) -> None:
@@ -177,9 +185,10 @@ class LocalStore(Store):
             else:
                 yield key
 
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
         try:
             with open(self._path(key), "rb") as f:
+                _check_size(self.child_uri(key), os.fstat(f.fileno()).st_size, max_bytes)
                 return f.read()
         except OSError as exc:
             raise self.error(exc, key) from None
@@ -263,11 +272,24 @@ class S3Store(Store):
         except Exception as exc:  # botocore raises several unrelated types
             raise self.error(exc, prefix) from None
 
-    def read(self, key: str) -> bytes:
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except Exception as exc:
-            raise self.error(exc, key) from None
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        # botocore retries a request until its response headers arrive; a body cut off after
+        # that is fetched again here, within the same attempt budget and with a jittered backoff.
+        for attempt in itertools.count(1):
+            try:
+                response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            except Exception as exc:  # botocore has already retried what it could
+                raise self.error(exc, key) from None
+            try:
+                with response["Body"] as body:
+                    _check_size(self.child_uri(key), int(response["ContentLength"]), max_bytes)
+                    return body.read()
+            except Exception as exc:
+                err = self.error(exc, key)
+                if not isinstance(err, TransientStorageError) or attempt >= self.settings.max_attempts:
+                    raise err from None
+            time.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
+        raise AssertionError("itertools.count never ends")
 
     def write(self, key: str, data: bytes) -> None:
         # A PUT is atomic: the object appears whole or not at all.
@@ -319,8 +341,13 @@ class S3Store(Store):
         return self.settings.arrow_filesystem(), f"{self.bucket}/{self._key(key)}"
 
 
+def _check_size(uri: str, size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise ObjectTooLarge(f"{uri}: too large ({size} bytes > max_object_bytes {max_bytes})")
+
+
 def open_store(uri: str, settings: S3Settings | None = None, *, endpoint_url: str | None = None) -> Store:
-    """The `Store` for `uri`; S3 settings are resolved from the AWS chain unless given."""
+    """The `Store` for `uri`; S3 settings are resolved from the environment unless given."""
     location = parse_uri(uri)
     if location.scheme == "file":
         return LocalStore(location.path)

@@ -209,7 +209,29 @@ class MetricBuffer:
 def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:
     """Mark the stage run FINISHED or FAILED."""
     status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
-    client.set_terminated(run_id, status=status)
+    with _no_link_printing(client.tracking_uri):
+        client.set_terminated(run_id, status=status)
+
+
+@contextmanager
+def _no_link_printing(uri: str | None) -> Iterator[None]:
+    """MLflow prints "View run at" links built from the tracking URI, `user:password@` included:
+    not for a URI that carries credentials."""
+    if not uri or strip_userinfo(uri) == uri:
+        yield
+        return
+    previous = os.environ.get(_NO_LINKS)
+    os.environ[_NO_LINKS] = "true"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_NO_LINKS, None)
+        else:
+            os.environ[_NO_LINKS] = previous
+
+
+_NO_LINKS = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
 
 def log_learning_curve(
@@ -280,7 +302,8 @@ def _tracking_uri(uri: str | None) -> Iterator[None]:
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
-        yield
+        with _no_link_printing(uri):
+            yield
     finally:
         mlflow.set_tracking_uri(previous)
 

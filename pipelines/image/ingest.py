@@ -15,8 +15,9 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from pipelines.core import shards
-from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, fetch_planned, manifest_summary,
-                                   public_config, run_sharded_ingest, shard_counts)
+from pipelines.core.fetch import fetch_planned, reusable
+from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
+                                   run_sharded_ingest, shard_counts)
 from pipelines.core.storage import S3Settings, Store
 from pipelines.image.patches import RejectedImage, decode_image, patchify
 
@@ -52,7 +53,7 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     key = shards.shard_key(plan["index"])
     plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
     existing = shards.existing_summary(out, key, plan_fingerprint)
-    if existing is not None:
+    if existing is not None and reusable(existing):
         return existing
 
     size, p = config.image_size, config.patch_size
@@ -62,13 +63,17 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     fixed = 0  # rows whose split the manifest fixed
     rejected: list[dict[str, str]] = []
 
-    for i, data in fetch_planned(plan, config, source, rejected):
+    for i, data in fetch_planned(
+        plan, source, rejected, io_threads=config.io_threads, max_bytes=config.max_object_bytes
+    ):
         obj = plan["keys"][i]
         try:
             image = decode_image(data, size, max_pixels=config.max_pixels)
         except RejectedImage as why:
             rejected.append({"key": obj, "reason": str(why)})
             continue
+        finally:
+            del data  # dropped before the next fetch: fetch_planned's memory bound counts on it
         patchify(image, p, out=pixels[len(kept["keys"])])
         kept["keys"].append(obj)
         kept["labels"].append(plan["labels"][i])

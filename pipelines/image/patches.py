@@ -21,6 +21,13 @@ BACKGROUND = (255, 255, 255)  # transparent pixels are composited over white
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, not a half-grey image
 
+# EXIF orientation (tag 0x0112) -> the transpose that shows the picture upright.
+_ORIENTATION = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
 
 class RejectedImage(Exception):
     """An object that cannot be used as an image; the message is the reason recorded in the manifest."""
@@ -30,7 +37,8 @@ def decode_image(data: bytes, size: int, *, max_pixels: int) -> np.ndarray:
     """Decode, convert to 8-bit RGB, resize the shorter side to `size` and centre-crop.
 
     Accepts JPEG, PNG, WebP, GIF (first frame), BMP and TIFF; grayscale, palette,
-    CMYK, alpha and 16-bit images are converted to 8-bit RGB. Raises
+    CMYK, alpha and 16-bit images are converted to 8-bit RGB; an EXIF orientation is
+    applied, so a photo taken rotated comes out upright. Raises
     `RejectedImage` for empty, corrupt, truncated or non-image data and for images
     with more than `max_pixels` pixels (checked from the header, before decoding).
     """
@@ -54,17 +62,27 @@ def decode_image(data: bytes, size: int, *, max_pixels: int) -> np.ndarray:
             # Let libjpeg decode at 1/2, 1/4 or 1/8 scale while the result still covers the target.
             scale = size / min(w, h)
             im.draft("RGB", (max(1, int(w * scale + 0.999)), max(1, int(h * scale + 0.999))))
+        transpose = _ORIENTATION.get(_orientation(im))
         im = _to_rgb(im)
         w, h = im.size
         side = min(w, h)
         box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
         out = im.resize((size, size), Image.Resampling.BILINEAR, box=box)
-        arr = np.asarray(out)
+        # A centred square crop commutes with every flip and quarter turn: turn the small result.
+        arr = np.asarray(out.transpose(transpose) if transpose is not None else out)
     except Exception as exc:  # truncated data, broken chunks, decoder errors
         raise RejectedImage(f"corrupt or truncated ({_short(exc)})") from None
     if arr.shape != (size, size, 3) or arr.dtype != np.uint8:
         raise RejectedImage(f"unexpected decoded shape {arr.shape} {arr.dtype}")
     return arr
+
+
+def _orientation(im: Image.Image) -> int:
+    """The EXIF orientation (1 = upright); a broken EXIF block counts as upright, not as a bad image."""
+    try:
+        return int(im.getexif().get(0x0112, 1))
+    except Exception:  # untrusted metadata
+        return 1
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

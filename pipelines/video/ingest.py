@@ -22,8 +22,9 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from pipelines.core import shards
-from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, fetch_planned, manifest_summary,
-                                   public_config, run_sharded_ingest, shard_counts)
+from pipelines.core.fetch import fetch_planned, reusable
+from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
+                                   run_sharded_ingest, shard_counts)
 from pipelines.core.storage import S3Settings, Store
 from pipelines.video import shards as video_shards
 from pipelines.video.decode import RejectedVideo, clip_indices, decode_video, full_indices
@@ -51,6 +52,7 @@ class VideoIngestConfig(ShardedIngestConfig):
     max_pixels: int = Field(MAX_FRAME_PIXELS, ge=1)  # per source frame, checked before decoding
     shard_size: int = Field(16, ge=1)  # videos per shard (a shard stays under 2 GiB of frames)
     io_threads: int = Field(4, ge=1, le=64)
+    max_object_bytes: int = Field(2**30, ge=1)  # a video is read whole: up to io_threads of these per task
 
     @model_validator(mode="after")
     def _sampling_fields(self) -> VideoIngestConfig:
@@ -99,21 +101,24 @@ def process_video_shard(
     key = shards.shard_key(plan["index"])
     plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
     existing = shards.existing_summary(out, key, plan_fingerprint)
-    if existing is not None:
+    if existing is not None and reusable(existing):
         return existing
 
     kept: dict[str, list[Any]] = {k: [] for k in ("frames", "indices", "fps", "keys", "labels", "splits", "names")}
     source_frames: list[int] = []
     fixed = 0
     rejected: list[dict[str, str]] = []
-    for i, data in fetch_planned(plan, config, source, rejected):
+    for i, data in fetch_planned(
+        plan, source, rejected, io_threads=config.io_threads, max_bytes=config.max_object_bytes
+    ):
         obj = plan["keys"][i]
         try:
             video = decode_video(data, config.frame_size, config.select, max_pixels=config.max_pixels)
         except RejectedVideo as why:
             rejected.append({"key": obj, "reason": str(why)})
             continue
-        del data
+        finally:
+            del data  # dropped before the next fetch: fetch_planned's memory bound counts on it
         kept["frames"].append(video.frames)
         kept["indices"].append(video.indices)
         kept["fps"].append(float(np.float32(video.fps)))

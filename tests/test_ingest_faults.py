@@ -1,0 +1,130 @@
+"""Transient S3 faults: a real fault-injecting proxy (tests/fault_proxy.py) between the ingest and
+moto's server, on the session's real Ray cluster. Throttling, resets and cut-off bodies are retried
+and lose nothing; a fault that persists fails the stage in one line naming the object; nothing
+secret travels to Ray tasks."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from botocore.exceptions import ClientError
+from PIL import Image
+
+from pipelines.core import shards
+from pipelines.core.errors import StorageError, TransientStorageError
+from pipelines.core.ingest import IngestKind, run_sharded_ingest
+from pipelines.core.s3 import storage_error
+from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.fault_proxy import FaultProxy
+
+KEYS = [f"class{c}/{i:02d}.jpg" for c in range(3) for i in range(8)]
+
+
+@pytest.fixture
+def corpus(s3_env, s3_bucket) -> str:
+    """24 small JPEGs under s3://bucket/corpus (the test process has the server's keys in its chain)."""
+    rng = np.random.default_rng(0)
+    client = s3_env.client()
+    for key in KEYS:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
+        client.put_object(Bucket=s3_bucket, Key=f"corpus/{key}", Body=buf.getvalue())
+    return f"s3://{s3_bucket}/corpus"
+
+
+@pytest.fixture
+def proxy(s3_env):
+    with FaultProxy(s3_env.endpoint_url) as running:
+        yield running
+
+
+def _config(source: str, output: Path, proxy: FaultProxy) -> IngestConfig:
+    return IngestConfig(source=source, output=str(output), endpoint_url=proxy.url, image_size=16, patch_size=4,
+                        shard_size=8, max_reject_fraction=0.0)
+
+
+def _stored_keys(output: Path) -> list[str]:
+    return sorted(k for path in (output / shards.SHARD_DIR).glob("*.parquet")
+                  for k in pq.read_table(path, columns=["key"]).column("key").to_pylist())
+
+
+def test_throttling_resets_and_cut_bodies_are_retried_and_every_object_is_stored_once(
+    ray_cluster, corpus, proxy, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
+    faults = {"class0/01.jpg": ("slowdown", 2), "class1/03.jpg": ("reset", 2), "class2/05.jpg": ("truncate", 2),
+              # more than one task's attempts: the shard task fails once and Ray runs it again
+              "class2/07.jpg": ("slowdown", 5)}
+    for key, (fault, times) in faults.items():
+        proxy.fail(f"corpus/{key}", fault, times)
+    result = run_ingest(_config(corpus, tmp_path / "out", proxy))
+    assert result.counts["images"] == len(KEYS) and result.counts["rejected"] == 0
+    assert _stored_keys(tmp_path / "out") == sorted(KEYS)  # every object exactly once
+    assert {key: n for (key, _), n in proxy.injected.items()} == {f"corpus/{k}": t for k, (_, t) in faults.items()}
+
+
+def test_a_fault_that_persists_fails_the_stage_in_one_line_naming_the_key_and_a_rerun_completes(
+    ray_cluster, corpus, proxy, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    proxy.fail("corpus/class1/04.jpg", "slowdown", times=None)
+    with pytest.raises(TransientStorageError) as failed:
+        run_ingest(_config(corpus, tmp_path / "out", proxy))
+    message = str(failed.value)
+    assert message.startswith(f"{corpus}/class1/04.jpg: ") and "SlowDown" in message and "\n" not in message
+    assert not (tmp_path / "out" / shards.SUCCESS).exists()
+
+    proxy.clear()
+    rerun = run_ingest(_config(corpus, tmp_path / "out", proxy))
+    assert rerun.counts["images"] == len(KEYS) and rerun.counts["rejected"] == 0
+    assert _stored_keys(tmp_path / "out") == sorted(KEYS)
+
+
+def _error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "GetObject")
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "transient"),
+    [("SlowDown", 503, True), ("InternalError", 500, True), ("ServiceUnavailable", 503, True),
+     ("ExpiredToken", 400, True), ("RequestTimeout", 400, True),
+     ("NoSuchKey", 404, False), ("AccessDenied", 403, False)],
+)
+def test_only_causes_that_may_pass_are_transient(code, status, transient):
+    err = storage_error("s3://b/k.jpg", _error(code, status))
+    assert isinstance(err, TransientStorageError) == transient and isinstance(err, StorageError)
+    assert err.message.startswith("s3://b/k.jpg: ")
+
+
+# ---------------------------------------------------------------- what Ray tasks receive
+
+
+def _record_arguments(plan, config, source, out, fingerprint):
+    """A shard step that writes nothing and returns the pickled arguments its Ray task received."""
+    return {"index": plan["index"], "key": shards.shard_key(plan["index"]), "rejected": [],
+            "received": pickle.dumps((plan, config, source, out, fingerprint)).hex()}
+
+
+_RECEIVED: list[bytes] = []
+
+
+def _assemble(config, settings, fingerprint, summaries):
+    _RECEIVED.extend(bytes.fromhex(s["received"]) for s in summaries)
+    return {"counts": {"objects": 0, "rejected": 0}, "rejected": [], "content_hash": "-"}
+
+
+def test_no_secret_reaches_a_ray_task_argument(ray_cluster, corpus, s3_env, tmp_path):
+    _RECEIVED.clear()
+    kind = IngestKind("probe", "probe/1", "objects", _record_arguments, _assemble)
+    config = IngestConfig(source=corpus, output=str(tmp_path / "out"), endpoint_url=s3_env.endpoint_url, shard_size=8)
+    run_sharded_ingest(config, kind)
+    assert len(_RECEIVED) == len(KEYS) // 8
+    for blob in _RECEIVED:
+        assert s3_env.secret_key.encode() not in blob and s3_env.access_key.encode() not in blob
+        assert corpus.split("//")[1].split("/")[0].encode() in blob  # the probe did see the task's arguments

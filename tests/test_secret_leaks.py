@@ -1,0 +1,53 @@
+"""What `vitpipe` prints and logs holds no credential: argv in the command log, the tracking URI
+at the end of `vitpipe run`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from pipelines.cli import app
+from pipelines.core.logfile import redact_argv
+
+
+def test_redact_argv_strips_uri_userinfo_and_credential_values_but_not_lookalikes():
+    argv = ["run", "s.yaml", "--set", "tracking_uri=http://bob:hunter2@mlflow:5000", "--set", "x.aws_secret_access_key=S3KR1T",
+            "--set", "db.password=pw", "--set", "pretrain.model_overrides.class_token=false", "s3://AK:SK@bucket/p"]
+    assert redact_argv(argv) == ["run", "s.yaml", "--set", "tracking_uri=http://mlflow:5000", "--set",
+                                 "x.aws_secret_access_key=***", "--set", "db.password=***", "--set",
+                                 "pretrain.model_overrides.class_token=false", "s3://bucket/p"]
+
+
+def test_the_command_log_records_argv_without_secrets(tmp_path):
+    env = {**os.environ, "VITPIPE_LOG_DIR": str(tmp_path / "logs"), "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "evaluate", str(tmp_path / "missing.yaml"),
+         "--set", "tracking_uri=http://bob:hunter2@127.0.0.1:1", "--set", "a.api_key=T0K3N"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 1
+    [log] = (tmp_path / "logs").iterdir()
+    text = log.read_text()
+    assert "failed" in text and "tracking_uri=http://127.0.0.1:1" in text
+    assert "hunter2" not in text and "T0K3N" not in text and "bob" not in text
+
+
+def test_vitpipe_run_prints_the_tracking_uri_without_its_password(ray_cluster, mlflow_server, tmp_path):
+    from pipelines.corpora.images import synth_corpus
+
+    synth_corpus(str(tmp_path / "corpus"), images=16, classes=2, size=16, seed=0)
+    with_password = mlflow_server.replace("http://", "http://bob:hunter2@")
+    spec = {"name": "leak", "storage": {"root": str(tmp_path / "work")}, "tracking_uri": with_password,
+            "experiment": "secret-leaks",
+            "stages": {"corpus": {"kind": "ingest", "source": str(tmp_path / "corpus"), "image_size": 16,
+                                  "patch_size": 4}}}
+    path = Path(tmp_path / "spec.yaml")
+    path.write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"in {mlflow_server}" in result.output and "hunter2" not in result.output
