@@ -30,7 +30,7 @@ DEFERRABLE = {
     "mlflow": "loads SQLAlchemy, Flask and friends",
     "torch": "~1.5 s; configs and the CLI validate without it",
     "pyarrow": "only where shards are read or written",
-    "boto3": "only where S3 is reached", "botocore": "only where S3 is reached",
+    "boto3": "only where S3 is reached", "botocore": "only where S3 is reached", "urllib3": "botocore's transport",
     "matplotlib": "only where a figure is drawn",
     "av": "the optional 'video' extra",
     "sklearn": "only where the digits corpus is exported",
