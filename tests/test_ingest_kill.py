@@ -89,6 +89,7 @@ def test_a_rerun_after_sigkill_finishes_with_every_object_once_and_rewrites_only
     after = _finished(out)
     assert all(after[name] == mtime for name, mtime in finished.items())  # finished shards were not rewritten
     assert sorted(p.name for p in (out / shards.SHARD_DIR).iterdir()) == sorted(after)  # no partial files left
-    stored = [k for name in after for k in pq.read_table(out / shards.SHARD_DIR / name, columns=["key"])["key"].to_pylist()]
+    tables = [pq.read_table(out / shards.SHARD_DIR / name, columns=["key"]) for name in after]
+    stored = [key for table in tables for key in table.column("key").to_pylist()]
     assert sorted(stored) == keys  # every object exactly once
     assert result["counts"]["images"] == N_OBJECTS and (out / shards.SUCCESS).exists()

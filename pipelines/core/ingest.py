@@ -90,7 +90,7 @@ class ShardedIngestConfig(BaseModel):
 
 @dataclass
 class IngestResult:
-    """What a run produced; `skipped` when a finished output with the same config was found."""
+    """What a run produced; `skipped` when a finished output of the same input and config was found."""
 
     output: str
     manifest: dict[str, Any]

@@ -2,9 +2,9 @@
 
 Layout under the output URI::
 
-    shards/shard-000000.parquet   columns: patches (binary), label (int32), key (string), split (string)
-    manifest.json                 image/patch size, classes, counts, rejected objects, content hash, config
-    _SUCCESS                      written last; the config fingerprint and input digest of the finished run
+    shards/shard-<window>-<part>.parquet   columns: patches (binary), label (int32), key (string), split (string)
+    manifest.json                          sizes, classes, counts, rejects, content hash, input digest, config
+    _SUCCESS                               written last; the config fingerprint and input digest of the finished run
 
 `patches` holds `N * P * P * 3` uint8 bytes in `vit.patches` order. Each shard's
 Parquet footer carries its own summary (counts, rejects, hash, fingerprint), so
