@@ -130,10 +130,9 @@ def plain_loop(read, keys: list[str], out: Path, config: IngestConfig) -> float:
     return len(keys) / (time.perf_counter() - start)
 
 
-def _shard(plan: dict, config: IngestConfig, fingerprint: str) -> int:
+def _shard(plan: dict, config: IngestConfig) -> int:
     settings = S3Settings.resolve(None)
-    return process_shard(plan, config, open_store(config.source, settings), open_store(config.output, settings),
-                         fingerprint)["rows"]
+    return process_shard(plan, config, open_store(config.source, settings), open_store(config.output, settings))["rows"]
 
 
 def without_ray_data(run_all: Callable[[list[dict], IngestConfig], Iterable[int]], config: IngestConfig, n: int) -> float:
@@ -143,8 +142,8 @@ def without_ray_data(run_all: Callable[[list[dict], IngestConfig], Iterable[int]
     start = time.perf_counter()
     plans = list(ingest_plan.cut_shards(ingest_plan.folder_items(open_store(config.source, S3Settings.resolve(None))),
                                         config.shard_size, config.mix_window, config.seed))
-    for index, plan in enumerate(plans):
-        plan["index"] = index
+    for plan in plans:
+        ingest_plan.seal(plan, "bench")
     rows = sum(run_all(plans, config))
     seconds = time.perf_counter() - start
     assert rows == n, rows
@@ -220,12 +219,12 @@ def local_rounds(args: argparse.Namespace, root: Path, keys: list[str], config: 
     ray_shard = ray.remote(num_cpus=1)(_shard)
 
     def ray_tasks(plans: list[dict], config: IngestConfig) -> list[int]:
-        return ray.get([ray_shard.remote(plan, config, "bench") for plan in plans])
+        return ray.get([ray_shard.remote(plan, config) for plan in plans])
 
     # spawn: forking a process that runs Ray's threads is unsafe
     with ProcessPoolExecutor(args.cpus, mp_context=multiprocessing.get_context("spawn")) as pool:
         def process_pool(plans: list[dict], config: IngestConfig) -> Iterable[int]:
-            return pool.map(_shard, plans, [config] * len(plans), ["bench"] * len(plans))
+            return pool.map(_shard, plans, [config] * len(plans))
 
         without_ray_data(process_pool, other_config.model_copy(update={"source": str(warm)}), 32)  # start the processes
         for _ in range(args.rounds):

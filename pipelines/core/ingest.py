@@ -3,26 +3,30 @@
 The work is a Ray Data pipeline of two operators:
 
 1. *plan* (one task) streams the source listing page by page — `<class>/<file>`
-   folders, or the rows of a CSV/Parquet manifest — and cuts it into shard plans
-   of `shard_size` keys (`pipelines.core.plan`). Keys are shuffled within a window
-   of `mix_window` shards (seeded), so a shard mixes classes without a global
-   shuffle. Plans depend only on the listing and the config, which makes shard
-   ids stable across reruns.
+   folders, or the rows of a CSV/Parquet manifest tagged from one listing of the
+   source — and cuts it into shard plans (`pipelines.core.plan`). Each plan holds
+   its keys, labels and each object's version tag (size and ETag or mtime), and
+   a fingerprint of all of it under the config. The task ends with the input
+   digest: a hash of every plan fingerprint in order.
 2. *process* (many tasks, one shard each) runs the stage's `IngestKind.process`:
-   it fetches the objects with a few I/O threads (`pipelines.core.fetch`), decodes them,
-   and writes the shard atomically. A shard already written for the same plan and
-   config is reused, which is what makes an interrupted run resumable.
+   it reuses the shard when its footer holds the plan's fingerprint; otherwise it
+   fetches the objects with a few I/O threads (`pipelines.core.fetch`), decodes them,
+   and writes the shard atomically. That makes an interrupted run resumable, and a
+   changed input (a corrected label, an added or replaced object) rewrite only the
+   shards whose plans changed.
 
-The driver only collects per-shard summaries (counts, rejects, hashes), writes
-`manifest.json` (`IngestKind.assemble`, on `manifest_summary`), and writes
-`_SUCCESS` last. A rerun whose `_SUCCESS` holds the same config fingerprint does
-nothing. See `pipelines.core.shards` for the format and the output's life cycle.
+The driver only collects per-shard summaries (counts, rejects, hashes) and the
+digest. When no shard was written or dropped and `_SUCCESS` holds the same config
+fingerprint and input digest, the run is skipped; otherwise it writes
+`manifest.json` (`IngestKind.assemble`, on `manifest_summary`) and `_SUCCESS` last.
+See `pipelines.core.shards` for the format and the output's life cycle.
 The image ingest (`pipelines.image.ingest`) and the video ingest
 (`pipelines.video.ingest`) each extend `ShardedIngestConfig` and name an `IngestKind`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -99,7 +103,7 @@ def _inside(inner: Location, outer: Location) -> bool:
 
 @dataclass
 class IngestResult:
-    """What a run produced; `skipped` when a finished output with the same config was found."""
+    """What a run produced; `skipped` when a finished output of the same input and config was found."""
 
     output: str
     manifest: dict[str, Any]
@@ -114,9 +118,10 @@ class IngestResult:
 class IngestKind:
     """What differs between ingest stages that share this machinery.
 
-    `process(plan, config, source, out, fingerprint) -> summary` makes one shard (in a Ray
-    task; a module-level function); `assemble(config, settings, fingerprint, summaries) ->
-    manifest` builds the manifest, whose `counts[noun]` are the kept objects.
+    `process(plan, config, source, out) -> summary` makes one shard (in a Ray task; a
+    module-level function), or reuses it when `shards.existing_summary` finds it written for
+    the plan's fingerprint; `assemble(config, settings, fingerprint, summaries) -> manifest`
+    builds the manifest, whose `counts[noun]` are the kept objects.
     """
 
     name: str  # in log lines: "ingest", "video-ingest"
@@ -127,9 +132,10 @@ class IngestKind:
 
 
 def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: bool = False) -> IngestResult:
-    """The stage flow shared by every ingest: skip a finished output, check the source, run the
-    plan → process pipeline, drop stale shards, write the manifest, apply the rejection
-    threshold, and write `_SUCCESS` last. `force` rewrites every shard of the output."""
+    """The stage flow shared by every ingest: check the source, run the plan → process pipeline
+    (one listing pass; shards whose plan did not change are reused), drop stale shards, write the
+    manifest, apply the rejection threshold, and write `_SUCCESS` last. A rerun that finds its
+    input and config unchanged writes nothing and is `skipped`. `force` rewrites every shard."""
     start = time.perf_counter()
     settings = S3Settings.resolve(config.endpoint_url)
     source = open_store(config.source, settings)
@@ -137,21 +143,37 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
     fingerprint = shards.fingerprint({"format": kind.format, **config.identity()})
 
     shards.check_output(out)
-    done = None if force else shards.finished_manifest(out, fingerprint)
-    if done is not None:
-        log.info("%s: %s is complete for this config; nothing to do", kind.name, config.output)
-        return IngestResult(config.output, done, done["counts"], 0, 0, True, time.perf_counter() - start)
     manifest_store = open_store(config.manifest, settings) if config.manifest else None
     _check_source(source, manifest_store)
-    out.delete(shards.SUCCESS)  # whatever happens next, an older marker no longer describes the output
     if force:
+        out.delete(shards.SUCCESS)
         shards.remove_stale_shards(out, keep=set())
 
-    summaries = _run_pipeline(config, source, manifest_store, out, fingerprint, kind.process)
-    shards.remove_stale_shards(out, {s["key"] for s in summaries})
-    manifest = kind.assemble(config, settings, fingerprint, summaries)
+    summaries, input_digest = _run_pipeline(config, source, manifest_store, out, fingerprint, kind.process)
+    written = sum(not s.get("reused") for s in summaries)
+    stale = shards.stale_shards(out, {s["key"] for s in summaries})
+    done = None if written or stale else shards.finished_manifest(out, fingerprint, input_digest)
+    if done is not None:
+        log.info("%s: %s is complete for this input and config; nothing to do", kind.name, config.output)
+        return IngestResult(config.output, done, done["counts"], 0, len(summaries), True, time.perf_counter() - start)
+    out.delete(shards.SUCCESS)  # from here on, an older marker no longer describes the output
+    for key in stale:
+        out.delete(key)
+    manifest = {**kind.assemble(config, settings, fingerprint, summaries), "input_digest": input_digest}
     out.write(shards.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _check_rejects(config, kind, manifest, out)
+    shards.write_success(out, fingerprint, manifest["content_hash"], input_digest)
+    counts = manifest["counts"]
+    log.info(
+        "%s: %d %s (%d rejected) in %d shards (%d written, %d reused) -> %s", kind.name,
+        counts[kind.noun], kind.noun, counts["rejected"], len(summaries), written, len(summaries) - written,
+        config.output,
+    )
+    return IngestResult(config.output, manifest, counts, written, len(summaries) - written, False, time.perf_counter() - start)
 
+
+def _check_rejects(config: ShardedIngestConfig, kind: IngestKind, manifest: dict[str, Any], out: Store) -> None:
+    """Fail in one line when more than `max_reject_fraction` of the objects were rejected."""
     counts = manifest["counts"]
     total = counts[kind.noun] + counts["rejected"]
     if total and counts["rejected"] / total > config.max_reject_fraction:
@@ -161,14 +183,6 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
             f"({100 * counts['rejected'] / total:.1f}% > {100 * config.max_reject_fraction:.1f}%), "
             f"e.g. {first['key']}: {first['reason']}; the full list is in {out.child_uri(shards.MANIFEST)}"
         )
-    out.write(shards.SUCCESS, json.dumps({"fingerprint": fingerprint, "content_hash": manifest["content_hash"]}).encode())
-    written = sum(not s.get("reused") for s in summaries)
-    log.info(
-        "%s: %d %s (%d rejected) in %d shards (%d written, %d reused) -> %s", kind.name,
-        counts[kind.noun], kind.noun, counts["rejected"], len(summaries), written, len(summaries) - written,
-        config.output,
-    )
-    return IngestResult(config.output, manifest, counts, written, len(summaries) - written, False, time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------- driver-side checks
@@ -195,7 +209,8 @@ def _check_source(source: Store, manifest: Store | None) -> None:
 def _run_pipeline(
     config: ShardedIngestConfig, source: Store, manifest: Store | None, out: Store, fingerprint: str,
     process: Callable[..., dict[str, Any]],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], str]:
+    """The shard summaries (sorted by shard key) and the input digest the planner computed."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -210,13 +225,13 @@ def _run_pipeline(
         ds = ray.data.from_items([{"plan": 0}]).map_batches(
             _plan_udf,
             batch_size=1,
-            fn_kwargs={"config": config, "source": source, "manifest": manifest},
+            fn_kwargs={"config": config, "source": source, "manifest": manifest, "fingerprint": fingerprint},
             num_cpus=0,  # listing is I/O; it must not hold a CPU slot the decoders need
         )
         ds = ds.map_batches(
             _process_udf,
             batch_size=1,
-            fn_kwargs={"config": config, "source": source, "out": out, "fingerprint": fingerprint, "process": process},
+            fn_kwargs={"config": config, "source": source, "out": out, "process": process},
             num_cpus=1,
             compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
             # A shard whose reads kept failing for a cause that may pass is tried again as a whole.
@@ -226,13 +241,16 @@ def _run_pipeline(
         )
     finally:
         ctx.target_max_block_size, ctx.op_resource_reservation_enabled = previous
-    summaries = []
+    summaries, digest = [], None
     try:
         for row in ds.iter_rows():
             summary = json.loads(row["summary"])
             if "error" in summary:  # a user-facing error on a worker: stop and report it as one line
                 raise _ERRORS.get(summary["error_type"], VitpipeError)(summary["error"])
-            summaries.append(summary)
+            if "input_digest" in summary:
+                digest = summary["input_digest"]
+            else:
+                summaries.append(summary)
     except VitpipeError:
         raise
     except Exception as exc:  # a shard task that failed on every try: its own one-line error, if it has one
@@ -240,7 +258,9 @@ def _run_pipeline(
         if known is None:
             raise
         raise known from None
-    return sorted(summaries, key=lambda s: s["index"])
+    if digest is None:  # the planner always ends with its digest; without it the listing was cut short
+        raise IngestError(f"{config.source}: the planner ended before the listing did")
+    return sorted(summaries, key=lambda s: s["key"]), digest
 
 
 # Tries of a shard task after its first one fails with a `TransientStorageError`.
@@ -256,25 +276,37 @@ def _error_row(column: str, err: VitpipeError) -> dict[str, Any]:
     return {column: np.array([json.dumps({"error": err.message, "error_type": type(err).__name__})], dtype=object)}
 
 
-def _plan_udf(batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, manifest: Store | None) -> Iterator[dict[str, Any]]:
+def _plan_udf(
+    batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, manifest: Store | None, fingerprint: str
+) -> Iterator[dict[str, Any]]:
+    """Stream the listing into shard plans, each with its shard key and plan fingerprint (its
+    keys, version tags, labels, splits, under this config), then one last row: the input digest,
+    a hash of every plan fingerprint in order. One listing pass, never held whole."""
+    digest = hashlib.sha256(fingerprint.encode())
     try:
-        items = ingest_plan.manifest_items(manifest) if manifest is not None else ingest_plan.folder_items(source)
-        for index, plan in enumerate(ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed)):
-            plan["index"] = index
+        if manifest is not None:
+            items = ingest_plan.tagged(ingest_plan.manifest_items(manifest), ingest_plan.ListingIndex(source))
+        else:
+            items = ingest_plan.folder_items(source)
+        for plan in ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed):
+            ingest_plan.seal(plan, fingerprint)
+            digest.update(plan["fingerprint"].encode())
             yield {"plan": np.array([json.dumps(plan)], dtype=object)}
     except VitpipeError as err:
         yield _error_row("plan", err)
+        return
+    done = {"input_digest": "sha256:" + digest.hexdigest()}
+    yield {"plan": np.array([json.dumps(done)], dtype=object)}
 
 
 def _process_udf(
-    batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, out: Store, fingerprint: str,
-    process: Callable[..., dict[str, Any]],
+    batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, out: Store, process: Callable[..., dict[str, Any]]
 ) -> dict[str, Any]:
     plan = json.loads(batch["plan"][0])
-    if "error" in plan:
-        return {"summary": batch["plan"]}  # pass the planner's error on to the driver
+    if "error" in plan or "input_digest" in plan:
+        return {"summary": batch["plan"]}  # pass the planner's error or digest on to the driver
     try:
-        summary = process(plan, config, source, out, fingerprint)
+        summary = process(plan, config, source, out)
     except TransientStorageError:
         raise  # Ray retries the task (`SHARD_TASK_RETRIES`); it never becomes a rejection
     except VitpipeError as err:

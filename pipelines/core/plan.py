@@ -1,17 +1,23 @@
 """Planning the ingest: the source listing (or a manifest) cut into shard plans.
 
-A plan is a JSON-able dict: the keys of one shard with their labels, fixed
-splits (or "" for hash splits), class names, and a rejection reason for items
+A plan is a JSON-able dict: the shard's name, the keys of one shard with their
+labels, fixed splits (or "" for hash splits), class names, each object's version
+tag (a digest of its size and ETag or mtime), and a rejection reason for items
 refused before any read (a file outside a class folder, an unsafe manifest key).
-Plans depend only on the listing order and the config, which keeps shard ids
-stable across reruns; keys are shuffled within windows of shards (seeded), so a
-shard mixes classes without a global shuffle. Memory stays bounded: one window
-of items, plus the set of class names.
+
+Shard assignment is local, so a changed input rewrites few shards: the item
+stream is cut into windows at *content-defined* boundaries (a key whose hash
+falls in a 1-in-`shard_size * mix_window` bucket ends its window), and each
+window's keys are shuffled (seeded by the window's first key) and dealt into
+shards named after the window. An added or removed key changes only its own
+window's shards; a changed label or a replaced object only its own shard.
+Memory stays bounded: one window of items, plus the set of class names (and,
+with a label manifest, a compact index of the listing: 16 bytes an object).
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,23 +27,66 @@ from pipelines.core import shards
 from pipelines.core.errors import IngestError
 from pipelines.core.storage import Store
 
-# An item is (key, label, split or "", class name, reason); a non-empty reason rejects it at planning.
-Item = tuple[str, int, str, str, str]
+# A row is (key, label, split or "", class name, reason); a non-empty reason rejects it at planning.
+Row = tuple[str, int, str, str, str]
+# An item is a row plus the object's version tag (`version_tag`; "" when the object is not listed).
+Item = tuple[str, int, str, str, str, str]
+
+# A window is cut short at this many times its expected size, only to bound memory.
+_MAX_WINDOW_FACTOR = 16
+
+
+def version_tag(size: int, version: str) -> str:
+    """A short digest of what tells one version of an object from another: size and ETag or mtime."""
+    return hashlib.blake2b(f"{size}:{version}".encode(), digest_size=8).hexdigest()
 
 
 def folder_items(source: Store) -> Iterator[Item]:
     """`<class>/<file>` layout: classes are numbered in listing (lexicographic) order."""
     classes: dict[str, int] = {}
-    for page in source.list_pages():
-        for key in page:
+    for page in source.list_entries():
+        for key, size, version in page:
+            tag = version_tag(size, version)
             name, sep, _ = key.partition("/")
             if not sep:
-                yield key, -1, "", "", "not inside a class folder"
+                yield key, -1, "", "", "not inside a class folder", tag
                 continue
-            yield key, classes.setdefault(name, len(classes)), "", name, ""
+            yield key, classes.setdefault(name, len(classes)), "", name, "", tag
 
 
-def manifest_items(manifest: Store) -> Iterator[Item]:
+class ListingIndex:
+    """The version tags of every object under a prefix, from one listing pass, for a label
+    manifest whose rows come in any order: 16 bytes an object (key hash, tag), sorted."""
+
+    def __init__(self, source: Store) -> None:
+        hashes: list[np.ndarray] = []
+        tags: list[np.ndarray] = []
+        for page in source.list_entries():
+            hashes.append(np.array([_key_hash(key) for key, _, _ in page], dtype=np.uint64))
+            tags.append(np.array([int(version_tag(size, v), 16) for _, size, v in page], dtype=np.uint64))
+        keys = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
+        order = np.argsort(keys, kind="stable")
+        self.keys = keys[order]
+        self.tags = (np.concatenate(tags) if tags else np.zeros(0, np.uint64))[order]
+
+    def tag(self, key: str) -> str:
+        """The object's version tag, or "" when the listing does not hold it (reading it will fail)."""
+        h = np.uint64(_key_hash(key))
+        i = int(np.searchsorted(self.keys, h))
+        return f"{int(self.tags[i]):016x}" if i < len(self.keys) and self.keys[i] == h else ""
+
+
+def tagged(rows: Iterator[Row], index: ListingIndex) -> Iterator[Item]:
+    """Manifest rows with the version tag of the object each names."""
+    for row in rows:
+        yield (*row, index.tag(row[0]))
+
+
+def _key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "big")
+
+
+def manifest_items(manifest: Store) -> Iterator[Row]:
     """Rows of a CSV/Parquet manifest (key, label[, split]); string labels are numbered in sorted order."""
     classes = manifest_classes(manifest)
     for batch in manifest_batches(manifest):
@@ -121,31 +170,44 @@ def _check_unique_keys(manifest: Store, hashes: np.ndarray) -> None:
 
 
 def cut_shards(items: Iterator[Item], shard_size: int, window: int, seed: int) -> Iterator[dict[str, Any]]:
-    """Group the item stream into shard plans, shuffling keys within windows of `window` shards."""
-    items = iter(items)
+    """Group the item stream into shard plans: content-defined windows of about `window` shards,
+    each shuffled and dealt into shards of at most `shard_size` items, named after the window."""
+    period = shard_size * window
     buffer: list[Item] = []
-    for n_windows in itertools.count():
-        buffer.clear()
-        for item in items:
-            buffer.append(item)
-            if len(buffer) == shard_size * window:
-                break
-        if not buffer:
-            return
-        order = np.random.default_rng([seed, n_windows]).permutation(len(buffer))
-        mixed = [buffer[i] for i in order]
-        for lo in range(0, len(mixed), shard_size):
-            yield _plan_of(mixed[lo : lo + shard_size])
-        if len(buffer) < shard_size * window:
-            return
+    for item in items:
+        buffer.append(item)
+        if _key_hash(item[0]) % period == 0 or len(buffer) >= _MAX_WINDOW_FACTOR * period:
+            yield from _window_plans(buffer, shard_size, seed)
+            buffer = []
+    if buffer:
+        yield from _window_plans(buffer, shard_size, seed)
 
 
-def _plan_of(items: list[Item]) -> dict[str, Any]:
+def _window_plans(window: list[Item], shard_size: int, seed: int) -> Iterator[dict[str, Any]]:
+    """One window's shards: near-equal parts of its seeded shuffle, so none is tiny."""
+    first = _key_hash(window[0][0])
+    order = np.random.default_rng([seed, first]).permutation(len(window))
+    parts = np.array_split(order, -(-len(window) // shard_size))
+    for j, part in enumerate(parts):
+        yield _plan_of(f"{first:016x}-{j:03d}", [window[i] for i in part])
+
+
+def _plan_of(name: str, items: list[Item]) -> dict[str, Any]:
     return {
+        "shard": name,
         "keys": [it[0] for it in items],
         "labels": [it[1] for it in items],
         "splits": [it[2] for it in items],
         "classes": {it[3]: it[1] for it in items if not it[4]},
         "names": [it[3] for it in items],
         "reasons": [it[4] for it in items],
+        "tags": [it[5] for it in items],
     }
+
+
+def seal(plan: dict[str, Any], config_fingerprint: str) -> dict[str, Any]:
+    """Give a plan its shard key and its fingerprint (everything it holds, under this config):
+    the shard written for it is reused while the fingerprint in its footer matches."""
+    plan["key"] = shards.shard_key(plan.pop("shard"))
+    plan["fingerprint"] = shards.fingerprint({"config": config_fingerprint, "plan": plan})
+    return plan

@@ -2,9 +2,9 @@
 
 Layout under the output URI::
 
-    shards/shard-000000.parquet   columns: patches (binary), label (int32), key (string), split (string)
-    manifest.json                 image/patch size, classes, counts, rejected objects, content hash, config
-    _SUCCESS                      written last; holds the config fingerprint of the finished run
+    shards/shard-<window>-<part>.parquet   columns: patches (binary), label (int32), key (string), split (string)
+    manifest.json                          sizes, classes, counts, rejects, content hash, input digest, config
+    _SUCCESS                               written last; the config fingerprint and input digest of the finished run
 
 `patches` holds `N * P * P * 3` uint8 bytes in `vit.patches` order. Each shard's
 Parquet footer carries its own summary (counts, rejects, hash, fingerprint), so
@@ -45,9 +45,9 @@ SCHEMA = pa.schema(
 )
 
 
-def shard_key(index: int) -> str:
-    """The key of shard `index` relative to the output root."""
-    return f"{SHARD_DIR}/shard-{index:06d}.parquet"
+def shard_key(name: int | str) -> str:
+    """The key of shard `name` (a planned shard's window-derived name, or an index) relative to the output root."""
+    return f"{SHARD_DIR}/shard-{name:06d}.parquet" if isinstance(name, int) else f"{SHARD_DIR}/shard-{name}.parquet"
 
 
 def split_of(key: str, val_fraction: float, test_fraction: float) -> str:
@@ -115,9 +115,13 @@ WRITE_OPTIONS: dict[str, Any] = {"use_dictionary": ["split"], "write_statistics"
 
 
 def write_shard(store: Any, key: str, table: pa.Table, summary: Mapping[str, Any], compression: str) -> None:
-    """Write a shard atomically to `store`, its summary stored in the Parquet footer."""
+    """Write a shard atomically to `store`, its summary stored in the Parquet footer.
+
+    Drops the output's `_SUCCESS` first: a finished marker must never describe a changed set of shards.
+    """
     import pyarrow.parquet as pq
 
+    store.delete(SUCCESS)
     table = table.replace_schema_metadata({META_KEY: json.dumps(summary, sort_keys=True).encode()})
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     with store.atomic_path(key) as path:
@@ -193,17 +197,28 @@ def class_names(manifest: Mapping[str, Any]) -> list[str]:
     return [str(c) for c in classes]
 
 
-def finished_manifest(out: Store, fingerprint: str) -> dict[str, Any] | None:
-    """The manifest of a finished output whose `_SUCCESS` marker holds `fingerprint`, else None."""
+def finished_manifest(out: Store, fingerprint: str, input_digest: str | None = None) -> dict[str, Any] | None:
+    """The manifest of a finished output whose `_SUCCESS` marker holds `fingerprint` (and
+    `input_digest`, when given: the digest of the input it was made from), else None."""
     if not out.exists(SUCCESS):
         return None
     try:
         marker = json.loads(out.read(SUCCESS))
         if marker.get("fingerprint") != fingerprint:
             return None
+        if input_digest is not None and marker.get("input_digest") != input_digest:
+            return None
         return read_manifest(out)
     except (ValueError, VitpipeError):
         return None  # a damaged marker or manifest: run again
+
+
+def write_success(out: Store, fingerprint: str, content_hash: str, input_digest: str | None = None) -> None:
+    """Mark the output finished (last write of a run): config fingerprint, content hash, input digest."""
+    marker = {"fingerprint": fingerprint, "content_hash": content_hash}
+    if input_digest is not None:
+        marker["input_digest"] = input_digest
+    out.write(SUCCESS, json.dumps(marker).encode())
 
 
 def existing_summary(out: Store, key: str, plan_fingerprint: str) -> dict[str, Any] | None:
@@ -215,9 +230,13 @@ def existing_summary(out: Store, key: str, plan_fingerprint: str) -> dict[str, A
     return None
 
 
+def stale_shards(out: Store, keep: set[str]) -> list[str]:
+    """Shards of an earlier, different run and temporary files of interrupted writes: all under
+    `shards/` but `keep`."""
+    return [key for page in out.list_pages(SHARD_DIR, hidden=True) for key in page if key not in keep]
+
+
 def remove_stale_shards(out: Store, keep: set[str]) -> None:
-    """Delete shards of an earlier, different run and temporary files of interrupted writes."""
-    for page in out.list_pages(SHARD_DIR, hidden=True):
-        for key in page:
-            if key not in keep:
-                out.delete(key)
+    """Delete `stale_shards(out, keep)`."""
+    for key in stale_shards(out, keep):
+        out.delete(key)

@@ -48,11 +48,10 @@ def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:
     return run_sharded_ingest(config, IMAGES, force=force)
 
 
-def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out: Store, fingerprint: str) -> dict[str, Any]:
+def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out: Store) -> dict[str, Any]:
     """Decode and write one planned shard (or reuse it when already written for this plan); returns its summary."""
-    key = shards.shard_key(plan["index"])
-    plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
-    existing = shards.existing_summary(out, key, plan_fingerprint)
+    key = plan["key"]
+    existing = shards.existing_summary(out, key, plan["fingerprint"])
     if existing is not None and reusable(existing):
         return existing
 
@@ -84,9 +83,8 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     n = len(kept["keys"])
     table = shards.build_table(pixels[:n], kept["labels"], kept["keys"], kept["splits"])
     summary = {
-        "index": plan["index"],
         "key": key,
-        "plan_fingerprint": plan_fingerprint,
+        "plan_fingerprint": plan["fingerprint"],
         "rows": n,
         "fixed_splits": fixed,
         "hash": shards.rows_hash(kept["keys"], kept["labels"], kept["splits"], memoryview(pixels[:n].reshape(-1))),

@@ -8,7 +8,8 @@ workers fetch each shard's videos, decode them with PyAV (`pipelines.video.decod
 sample frames (the whole video uniformly, or clips), resize the shorter side to
 `frame_size` and centre-crop, and write the shard atomically. Runs are resumable
 (finished shards of the same plan are reused) and idempotent (a finished output
-with the same config is left alone). Bad objects (corrupt or truncated, zero
+with the same input and config is left alone; a changed input rewrites only the
+shards whose plans changed). Bad objects (corrupt or truncated, zero
 frames, audio only, unsupported container or codec) are rejected with a reason;
 the stage fails with one line only when more than `max_reject_fraction` of the
 objects are rejected. See `pipelines.video.shards` for the format.
@@ -94,13 +95,10 @@ def run_video_ingest(config: VideoIngestConfig, *, force: bool = False) -> Inges
     return run_sharded_ingest(config, VIDEOS, force=force)
 
 
-def process_video_shard(
-    plan: dict[str, Any], config: VideoIngestConfig, source: Store, out: Store, fingerprint: str
-) -> dict[str, Any]:
+def process_video_shard(plan: dict[str, Any], config: VideoIngestConfig, source: Store, out: Store) -> dict[str, Any]:
     """Decode and write one planned shard of videos (or reuse it when already written for this plan)."""
-    key = shards.shard_key(plan["index"])
-    plan_fingerprint = shards.fingerprint({"config": fingerprint, "plan": plan})
-    existing = shards.existing_summary(out, key, plan_fingerprint)
+    key = plan["key"]
+    existing = shards.existing_summary(out, key, plan["fingerprint"])
     if existing is not None and reusable(existing):
         return existing
 
@@ -134,9 +132,8 @@ def process_video_shard(
     )
     stored = [len(ix) for ix in kept["indices"]]
     summary = {
-        "index": plan["index"],
         "key": key,
-        "plan_fingerprint": plan_fingerprint,
+        "plan_fingerprint": plan["fingerprint"],
         "rows": len(kept["keys"]),
         "fixed_splits": fixed,
         "hash": video_shards.rows_hash(

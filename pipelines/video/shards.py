@@ -2,9 +2,9 @@
 
 Layout under the output URI (the same as for images, `pipelines.core.shards`)::
 
-    shards/shard-000000.parquet   one row per video, columns below
+    shards/shard-<window>-<part>.parquet   one row per video, columns below
     manifest.json                 format, frame size, sampling, classes, counts, rejected objects, content hash, config
-    _SUCCESS                      written last; holds the config fingerprint of the finished run
+    _SUCCESS                      written last; the config fingerprint and input digest of the finished run
 
 Columns (`SCHEMA`, all non-null):
 
