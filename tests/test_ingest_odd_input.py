@@ -154,15 +154,15 @@ def test_a_shard_holding_a_read_error_of_an_earlier_version_is_never_reused(ray_
     _corpus(tmp_path / "src", n=12)
     out = tmp_path / "out"
     first = run_ingest(_config(tmp_path / "src", out))
-    assert first.shards_written == 3
-    # An earlier version's interrupted run: shard 1 recorded a throttled read as "unreadable".
+    assert first.shards_written >= 2
+    # An earlier version's interrupted run: one shard recorded a throttled read as "unreadable".
     store = LocalStore(str(out))
-    key = shards.shard_key(1)
+    key = first.manifest["shards"][0]["path"]
     table = pq.read_table(out / key)
     summary = shards.read_summary(*store.arrow(key))
     summary["rejected"] = [{"key": "c0/000.jpg", "reason": "unreadable (S3 error SlowDown: Please reduce)"}]
     shards.write_shard(store, key, table, summary, "lz4")
     store.delete(shards.SUCCESS)
     rerun = run_ingest(_config(tmp_path / "src", out))
-    assert (rerun.shards_written, rerun.shards_reused) == (1, 2)
+    assert (rerun.shards_written, rerun.shards_reused) == (1, first.shards_written - 1)
     assert rerun.counts["rejected"] == 0 and rerun.counts["images"] == 12
