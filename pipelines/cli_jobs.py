@@ -66,8 +66,7 @@ def submit_job(address: str, command: list[str], wait: bool, *, submission_id: O
 def follow_job(address: str, job_id: str) -> None:
     """Print the job's logs as they come; exit 1 with one line unless it SUCCEEDED."""
     try:
-        for chunk in jobs.follow(address, job_id):
-            typer.echo(chunk, nl=False)
+        jobs.follow(address, job_id, lambda chunk: typer.echo(chunk, nl=False))
     except KeyboardInterrupt:
         typer.echo(f"\nstopped following job {job_id}; it keeps running (vitpipe stop {job_id})", err=True)
         raise typer.Exit(130) from None

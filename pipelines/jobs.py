@@ -15,12 +15,12 @@ do (`check_env`), the cluster has its own (an instance role, a Kubernetes secret
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import os
 import re
 import shlex
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -203,24 +203,22 @@ def list_jobs(address: str) -> list[dict[str, str]]:
     return rows
 
 
-def follow(address: str, job_id: str) -> Iterator[str]:
-    """Yield the job's log text as it is written, until the job ends (Ray's log stream, not a re-fetch)."""
+def follow(address: str, job_id: str, show: Callable[[str], None]) -> None:
+    """Pass the job's log text to `show` as it is written, until the job ends (Ray's log stream, not a re-fetch).
+
+    Ctrl-C cancels the stream cleanly (asyncio.run's own handling) and raises KeyboardInterrupt; the job runs on.
+    """
     client = _client(address)
-    loop = asyncio.new_event_loop()
-    stream = client.tail_job_logs(job_id)
-    try:
-        while True:
-            try:
-                yield loop.run_until_complete(stream.__anext__())
-            except StopAsyncIteration:
-                return
-            except Exception as err:
-                raise JobError(f"Ray cluster at {address}: logs of job {job_id}: {_cause(err)}") from None
-    finally:
-        # After Ctrl-C the stream is still mid-step and cannot be closed cleanly; the job is not affected.
-        with contextlib.suppress(RuntimeError):
-            loop.run_until_complete(stream.aclose())
-        loop.close()
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # not "WebSocket closed" at the end
+
+    async def tail() -> None:
+        try:
+            async for chunk in client.tail_job_logs(job_id):
+                show(chunk)
+        except Exception as err:  # an unknown job, a lost connection, a refused token
+            raise JobError(f"Ray cluster at {address}: logs of job {job_id}: {_cause(err)}") from None
+
+    asyncio.run(tail())
 
 
 __all__ = ["FORWARDED_ENV", "JobError", "check_env", "check_tracking_uri", "follow",
