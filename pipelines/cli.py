@@ -320,6 +320,7 @@ def stage(
     kind: str = typer.Argument(..., help=f"{', '.join(_FROM_FILE[:-1])} or {_FROM_FILE[-1]}."),
     config: str = _CONFIG,
     sets: list[str] = _SETS,
+    # Not from RAY_ADDRESS: Ray sets it inside every job, where a stage must run, not submit itself again.
     address: Optional[str] = typer.Option(None, "--address", help="Submit as a Ray job to this cluster's dashboard."),
     wait: bool = cli_jobs.WAIT,
 ) -> None:
