@@ -14,17 +14,45 @@ from typing import Any, Optional
 
 import typer
 
-from pipelines.core.cluster import connect
-from pipelines import jobs
+from pipelines import __version__, cli_jobs, jobs
 from pipelines.cli_errors import ErrorReportingGroup, fail
+from pipelines.core.cluster import connect
 from pipelines.core.logfile import console_handler
 from pipelines.core.stage_config import load_stage_config, parse_overrides
 from pipelines.core.uris import strip_userinfo
 from pipelines.stages import STAGES
 
-app = typer.Typer(cls=ErrorReportingGroup, no_args_is_help=True, add_completion=False, help="Distributed ViT pretraining and transfer.")
+
+class _Group(ErrorReportingGroup):
+    """Takes `--ray-address`, the stage commands' old name for `--address`, so old scripts run (not in --help)."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        renamed = ["--address" + a.removeprefix("--ray-address") if a.split("=")[0] == "--ray-address" else a
+                   for a in args[:end]]
+        return super().parse_args(ctx, renamed + args[end:])
+
+
+app = typer.Typer(cls=_Group, no_args_is_help=True, add_completion=False,
+                  help="Distributed ViT pretraining and transfer.")
 corpus_app = typer.Typer(no_args_is_help=True, help="Write corpora to run the pipeline on.")
 app.add_typer(corpus_app, name="corpus")
+# One name for the cluster everywhere: here the Ray (GCS) address a stage joins; the job commands' --address
+# is the cluster's dashboard, as in Ray's own `ray start --address` and `ray job submit --address`.
+_RAY = typer.Option(None, "--address",
+                    help="Ray cluster to join, e.g. HEAD:6379 (default: RAY_ADDRESS, else a local one).")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"vitpipe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print vitpipe's version and exit.")) -> None:
+    """Distributed ViT pretraining and transfer."""
 
 
 def _init_ray(address: Optional[str]) -> None:
@@ -46,7 +74,7 @@ def corpus_synth(
     size: int = typer.Option(64, "--size", help="Image side in pixels."),
     seed: int = typer.Option(0, "--seed"),
     endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    ray_address: Optional[str] = _RAY,
 ) -> None:
     """Write a formula-driven (IFS fractal) corpus as JPEGs in class folders."""
     from pipelines.corpora.images import synth_corpus  # deferred: PIL and numpy, kept out of CLI start-up
@@ -82,7 +110,7 @@ def corpus_synth_video(
     frames: int = typer.Option(32, "--frames", help="Typical frames per video (each varies by ±25%)."),
     seed: int = typer.Option(0, "--seed"),
     endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    ray_address: Optional[str] = _RAY,
 ) -> None:
     """Write a generated video corpus (digits moving along class paths) as MP4s in class folders."""
     from pipelines.corpora.videos import synth_video_corpus  # deferred: PIL and numpy, kept out of CLI start-up
@@ -109,7 +137,7 @@ def ingest(
     shard_size: int = typer.Option(512, "--shard-size"),
     seed: int = typer.Option(0, "--seed"),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Shard tasks at once (default: all CPUs)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    ray_address: Optional[str] = _RAY,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Decode, resize and patchify a corpus into Parquet shards plus manifest.json (resumable)."""
@@ -145,7 +173,7 @@ def video_ingest(
     shard_size: int = typer.Option(16, "--shard-size", help="Videos per shard."),
     seed: int = typer.Option(0, "--seed"),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Shard tasks at once (default: all CPUs)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    ray_address: Optional[str] = _RAY,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Decode, sample and resize videos into Parquet shards of frames plus manifest.json (resumable)."""
@@ -185,7 +213,6 @@ def _run_ingest(kind: str, fields: dict[str, Any], ray_address: Optional[str], a
 
 _CONFIG = typer.Argument(..., help="YAML/JSON stage config.")
 _SETS = typer.Option([], "--set", help="Override a config field: KEY=VALUE (VALUE parsed as JSON when it can be).")
-_RAY = typer.Option(None, "--ray-address", help="Ray cluster (default: RAY_ADDRESS or local).")
 
 
 def _run_stage(kind: str, config: str, sets: list[str], ray_address: Optional[str]) -> None:
@@ -241,7 +268,7 @@ _FORCE = typer.Option([], "--force", help="Run this stage again even if it alrea
 def run(
     spec: str = typer.Argument(..., help="Pipeline spec (YAML), e.g. pipelines/specs/demo.yaml."),
     sets: list[str] = typer.Option([], "--set", help="Override a field: STAGE.FIELD=VALUE (or a top-level key)."),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster (default: RAY_ADDRESS or local)."),
+    address: Optional[str] = _RAY,
     force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
@@ -288,24 +315,8 @@ def runs(
     typer.echo(format_table(list(rows[0]), [list(r.values()) for r in rows]))
 
 
-_ADDRESS = typer.Option(..., "--address", envvar="RAY_ADDRESS", help="The cluster's dashboard, e.g. http://HEAD:8265.")
-
-
-@app.command("submit")
-def submit(
-    spec: str = typer.Argument(..., help="Pipeline spec: inside this project (uploaded with it), or a path the cluster sees."),
-    address: str = _ADDRESS,
-    sets: list[str] = typer.Option([], "--set", help="Override a field: STAGE.FIELD=VALUE."),
-    wait: bool = typer.Option(False, "--wait", help="Follow the job's logs until it ends; exit non-zero unless it succeeded."),
-    force: list[str] = _FORCE,
-) -> None:
-    """Run a pipeline spec as a Ray job on a cluster; prints the job id."""
-    from pipelines.runner import check_forced  # deferred: the runner imports MLflow
-    from pipelines.spec import load_spec  # deferred: the spec imports MLflow (core.tracking)
-
-    check_forced(load_spec(spec, sets), force)  # a bad spec fails here, not minutes later on the cluster
-    _submit(address, ["run", jobs.job_path(spec), *_repeat("--set", sets), *_repeat("--force", force)], wait)
-
+for _name, _command in cli_jobs.COMMANDS.items():
+    app.command(_name)(_command)
 
 _FROM_FILE = [kind for kind, s in STAGES.items() if s.from_file]  # the kinds `vitpipe stage` runs
 
@@ -315,8 +326,9 @@ def stage(
     kind: str = typer.Argument(..., help=f"{', '.join(_FROM_FILE[:-1])} or {_FROM_FILE[-1]}."),
     config: str = _CONFIG,
     sets: list[str] = _SETS,
+    # Not from RAY_ADDRESS: Ray sets it inside every job, where a stage must run, not submit itself again.
     address: Optional[str] = typer.Option(None, "--address", help="Submit as a Ray job to this cluster's dashboard."),
-    wait: bool = typer.Option(False, "--wait", help="With --address: follow the job until it ends."),
+    wait: bool = cli_jobs.WAIT,
 ) -> None:
     """Run one stage alone: here, or with --address as a Ray job of its own (several can queue on one cluster)."""
     if kind not in _FROM_FILE:
@@ -325,51 +337,7 @@ def stage(
         _run_stage(kind, config, sets, None)
         return
     command = kind.replace("_", "-")  # the subcommand that runs this kind
-    _submit(address, [command, jobs.job_path(config), *_repeat("--set", sets)], wait)
-
-
-@app.command("status")
-def status(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
-    """A submitted job's status."""
-    typer.echo(jobs.status(address, job_id))
-
-
-@app.command("logs")
-def logs(job_id: str = typer.Argument(...), address: str = _ADDRESS,
-         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
-    """A submitted job's output."""
-    if follow:
-        _follow(address, job_id)
-    else:
-        typer.echo(jobs.logs(address, job_id), nl=False)
-
-
-@app.command("stop")
-def stop(job_id: str = typer.Argument(...), address: str = _ADDRESS) -> None:
-    """Stop a submitted job."""
-    typer.echo("stopping" if jobs.stop(address, job_id) else "not running")
-
-
-def _repeat(flag: str, values: list[str]) -> list[str]:
-    """`--set`, ["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]."""
-    return [arg for value in values for arg in (flag, value)]
-
-
-def _submit(address: str, command: list[str], wait: bool) -> None:
-    """Submit `vitpipe <command...>` as a Ray job and print its id; with `wait`, follow it to its end."""
-    job_id = jobs.submit(address, command)
-    typer.echo(job_id)
-    if wait:
-        _follow(address, job_id)
-
-
-def _follow(address: str, job_id: str) -> None:
-    for chunk in jobs.follow(address, job_id):
-        typer.echo(chunk, nl=False)
-    final = jobs.status(address, job_id)
-    if final != "SUCCEEDED":
-        typer.echo(f"error: job {job_id} {final}; logs: vitpipe logs {job_id} --address {address}", err=True)
-        raise typer.Exit(1)
+    cli_jobs.submit_job(address, [command, jobs.job_path(config), *cli_jobs.repeat("--set", sets)], wait)
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m pipelines.cli`, as Ray jobs run it

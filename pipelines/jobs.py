@@ -1,4 +1,4 @@
-"""Pipelines and single stages as Ray jobs: submit, status, logs, stop (the Jobs API of a cluster's dashboard).
+"""Pipelines and single stages as Ray jobs: submit, follow, list, status, logs, stop (a cluster's Jobs API).
 
 The job's entrypoint is the same `vitpipe` command a user would type, run on the
 head node with this project as its working directory. The Ray auth token is
@@ -6,25 +6,41 @@ found where Ray's own tools find it (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`,
 `~/.ray/auth_token`) by Ray's client itself; vitpipe never reads, prints or
 passes it on. Unlike `ray job submit`, it needs no `RAY_AUTH_MODE=token`: with
 a token at hand it is sent.
+
+A job sees the cluster's environment, not the submitter's: the tracking URI and
+the non-secret AWS settings (`FORWARDED_ENV`) travel with it; credentials never
+do (`check_env`), the cluster has its own (an instance role, a Kubernetes secret).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import re
 import shlex
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipelines.core.errors import VitpipeError
+from pipelines.core.uris import strip_userinfo
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Shipped to the cluster: code, specs, configs. Not history, data, runs or build output.
 UPLOAD_EXCLUDES = [".git", "**/__pycache__", "*.egg-info", "vitpipe-work", "mlflow.db", "mlruns", "build", "dist",
                    ".venv", "docs", "*.png"]
-TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 AGENT_WAIT_S = 60.0
+# Settings a job needs to find the same tracking store and S3 as the submitter. AWS_PROFILE is left out on
+# purpose: it names a profile in the submitter's ~/.aws, and botocore fails on a node that lacks that profile
+# instead of using the node's own credentials. Pass it with --env where the nodes have the profile.
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+# Names of credentials: AWS keys and session tokens, MLflow's password and token, Ray's own token.
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|SESSION_KEY|API_KEY|PRIVATE_KEY", re.I)
 
 
 class JobError(VitpipeError):
@@ -67,12 +83,77 @@ def _call(address: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise JobError(f"Ray cluster at {address}: {what}: {_cause(err)}") from None
 
 
-def submit(address: str, command: Sequence[str], *, job_id: str | None = None, env: dict[str, str] | None = None) -> str:
-    """Submit `vitpipe <command...>` as a Ray job running in a copy of this project; returns the job id."""
+def check_env(env: Mapping[str, str], where: str) -> dict[str, str]:
+    """`env` as strings, refused in one line if a name is a credential's or a value carries `user:password@`."""
+    for name, value in env.items():
+        if _SECRET_NAME.search(str(name)):
+            raise JobError(f"{where}: {name} is a credential; jobs never carry credentials "
+                           "(give the cluster its own: an instance role or a secret on its nodes)")
+        if strip_userinfo(str(value)) != str(value):
+            raise JobError(f"{where}: {name}={strip_userinfo(str(value))} carries user:password@; jobs never "
+                           "carry credentials (use MLflow's or the server's own auth on the cluster)")
+    return {str(name): str(value) for name, value in env.items()}
+
+
+def parse_env(pairs: Sequence[str]) -> dict[str, str]:
+    """`--env KEY=VALUE` options as a dict (checked by `check_env`)."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise JobError(f"--env expects KEY=VALUE, got {pair!r}")
+        env[name.strip()] = value
+    return check_env(env, "--env")
+
+
+def load_runtime_env(path: str) -> dict[str, Any]:
+    """A runtime env from a YAML/JSON file (Ray's own keys: pip, env_vars, py_modules, ...)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise JobError(f"--runtime-env {path}: no such file") from None
+    except (OSError, yaml.YAMLError) as err:
+        raise JobError(f"--runtime-env {path}: cannot read it ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict):
+        raise JobError(f"--runtime-env {path}: expected a mapping of runtime env keys, got {type(data).__name__}")
+    env_vars = data.get("env_vars", {})
+    if not isinstance(env_vars, dict):
+        raise JobError(f"--runtime-env {path}: env_vars must be a mapping of NAME: value")
+    return {**data, "env_vars": check_env(env_vars, f"--runtime-env {path}")} if env_vars else data
+
+
+def job_runtime_env(extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The job's runtime env: this project as working dir, then `extra` (a --runtime-env file) over it;
+    env vars are the forwarded settings, then `extra`'s, then `env` (--env), later ones winning."""
+    extra = dict(extra or {})
+    forwarded = check_env({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}, "environment")
+    env_vars = {**forwarded, **extra.pop("env_vars", {}), **(env or {})}
+    runtime_env: dict[str, Any] = {"working_dir": str(PROJECT_ROOT), **extra}
+    runtime_env["excludes"] = [*UPLOAD_EXCLUDES, *extra.get("excludes", [])]
+    if env_vars:
+        runtime_env["env_vars"] = env_vars
+    return runtime_env
+
+
+def check_tracking_uri(uri: str | None, where: str) -> str:
+    """`uri` (the spec's, else the job's MLFLOW_TRACKING_URI), refused for a pipeline submitted from `where` when
+    the job would write it into its throwaway working directory: none given, or a relative local path."""
+    if not uri:
+        raise JobError(f"{where}: no tracking URI: set tracking_uri in the spec or MLFLOW_TRACKING_URI "
+                       "(an MLflow server, e.g. http://MLFLOW:5000); on a cluster the default sqlite:///mlflow.db "
+                       "would land in the job's throwaway working directory")
+    path = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else uri.removeprefix("file:")
+    if uri.startswith(("sqlite:///", "file:")) and not path.removeprefix("//").startswith("/"):
+        raise JobError(f"{where}: tracking URI {strip_userinfo(uri)} is a relative path: on a cluster it would land "
+                       "in the job's throwaway working directory; use an MLflow server or an absolute shared path")
+    return uri
+
+
+def submit(address: str, command: Sequence[str], *, job_id: str | None = None,
+           runtime_env: Mapping[str, Any] | None = None) -> str:
+    """Submit `vitpipe <command...>` as a Ray job in `runtime_env` (see `job_runtime_env`); returns the job id."""
     client = _client(address)
-    runtime_env: dict[str, Any] = {"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES}
-    if env:
-        runtime_env["env_vars"] = dict(env)
+    runtime_env = dict(runtime_env) if runtime_env is not None else job_runtime_env()
     # `python -m pipelines.cli` runs the uploaded code, whatever vitpipe the head node has installed.
     entrypoint = shlex.join(["python", "-m", "pipelines.cli", *command])
     deadline = time.monotonic() + AGENT_WAIT_S
@@ -110,19 +191,36 @@ def stop(address: str, job_id: str) -> bool:
     return bool(_call(address, f"job {job_id}", _client(address).stop_job, job_id))
 
 
-def follow(address: str, job_id: str, poll_s: float = 1.0) -> Iterator[str]:
-    """Yield the job's new log text until it reaches a terminal status."""
+def list_jobs(address: str) -> list[dict[str, str]]:
+    """Every job the cluster knows, oldest first: id, status, start time (UTC) and entrypoint."""
+    details = _call(address, "list jobs", _client(address).list_jobs)
+    rows = []
+    for job in sorted(details, key=lambda j: j.start_time or 0):
+        started = datetime.fromtimestamp(job.start_time / 1000, timezone.utc) if job.start_time else None
+        rows.append({"id": job.submission_id or job.job_id or "?", "status": str(job.status.value),
+                     "start time": started.strftime("%Y-%m-%d %H:%M:%S") if started else "-",
+                     "entrypoint": job.entrypoint or ""})
+    return rows
+
+
+def follow(address: str, job_id: str, show: Callable[[str], None]) -> None:
+    """Pass the job's log text to `show` as it is written, until the job ends (Ray's log stream, not a re-fetch).
+
+    Ctrl-C cancels the stream cleanly (asyncio.run's own handling) and raises KeyboardInterrupt; the job runs on.
+    """
     client = _client(address)
-    shown = 0
-    while True:
-        state = str(_call(address, f"job {job_id}", client.get_job_status, job_id).value)
-        text = _call(address, f"job {job_id}", client.get_job_logs, job_id)
-        if len(text) > shown:
-            yield text[shown:]
-            shown = len(text)
-        if state in TERMINAL:
-            return
-        time.sleep(poll_s)
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # not "WebSocket closed" at the end
+
+    async def tail() -> None:
+        try:
+            async for chunk in client.tail_job_logs(job_id):
+                show(chunk)
+        except Exception as err:  # an unknown job, a lost connection, a refused token
+            raise JobError(f"Ray cluster at {address}: logs of job {job_id}: {_cause(err)}") from None
+
+    asyncio.run(tail())
 
 
-__all__ = ["JobError", "TERMINAL", "follow", "job_path", "logs", "status", "stop", "submit"]
+__all__ = ["FORWARDED_ENV", "JobError", "check_env", "check_tracking_uri", "follow",
+           "job_path", "job_runtime_env", "list_jobs", "load_runtime_env", "logs", "parse_env", "status", "stop",
+           "submit"]

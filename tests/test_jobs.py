@@ -3,10 +3,13 @@
 `cluster/local_cluster.sh` starts a head and one worker node on loopback (its own
 ports and temp dir, beside the session's in-process cluster); every client here
 is a real `vitpipe` or `ray` process that finds the token where Ray's tools do.
+Each submission costs seconds, so two jobs serve most tests: one followed to
+SUCCEEDED (`followed_job`), one submitted with --no-wait that fails (`failed_job`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -39,7 +42,9 @@ def token_cluster(tmp_path_factory) -> TokenCluster:
     token_file = tmp / "auth_token"
     token_file.write_text(token)
     port, dashboard = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER", "RAY_AUTH"))}
+    # The cluster's own environment: no AWS or MLflow settings, so whatever a job sees came with it.
+    drop = ("RAY_ADDRESS", "RAY_API_SERVER", "RAY_AUTH", "AWS_", "MLFLOW_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(RAY_AUTH_TOKEN_PATH=str(token_file), RAY_PORT=str(port), DASHBOARD_PORT=str(dashboard),
                RAY_TMP=f"/tmp/vp-ray-{port}", HEAD_CPUS="2", WORKER_CPUS="1", OBJECT_STORE_MB="200")
     script = [str(REPO / "cluster" / "local_cluster.sh")]
@@ -82,8 +87,65 @@ def wait_for(address: str, job_id: str, env: dict[str, str], states: tuple[str, 
         time.sleep(1)
 
 
-def test_vitpipe_submit_runs_a_pipeline_to_succeeded_and_never_prints_the_token(token_cluster, ingest_spec):
-    done = vitpipe("submit", str(ingest_spec), "--address", token_cluster.address, "--wait", env=token_cluster.env)
+# On the job's PYTHONPATH (through --runtime-env): every Python process of the job prints the settings it sees.
+_PROBE = """
+import json, os
+seen = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "MLFLOW_", "VITPIPE_PROBE"))}
+print("VITPIPE-PROBE " + json.dumps(seen, sort_keys=True), flush=True)
+"""
+_KEY_ID, _SECRET, _SESSION = "AKIAVITPIPETESTKEY01", "s3cr3t-" + secrets.token_hex(8), "sess-" + secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class FollowedJob:
+    done: subprocess.CompletedProcess  # the `vitpipe submit` that followed the job to its end
+    submission_id: str
+    tracking_db: Path  # MLFLOW_TRACKING_URI on the submitting side only
+
+    @property
+    def seen(self) -> dict[str, str]:
+        """The settings the job's driver saw (its first probe line)."""
+        return json.loads(re.search(r"^VITPIPE-PROBE (\{.*\})$", self.done.stdout, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def untracked_spec(ingest_spec) -> Path:
+    """The ingest spec without a tracking URI: the job needs MLFLOW_TRACKING_URI from the submitter."""
+    spec = yaml.safe_load(ingest_spec.read_text())
+    del spec["tracking_uri"]
+    path = ingest_spec.with_name("untracked.yaml")
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def followed_job(token_cluster, untracked_spec, tmp_path_factory) -> FollowedJob:
+    """One job submitted the default way (following it) with a submission id, --runtime-env, --env, the tracking
+    URI and AWS settings in the submitter's environment, and AWS keys there too."""
+    tmp = tmp_path_factory.mktemp("followed-job")
+    (tmp / "sitecustomize.py").write_text(_PROBE)
+    runtime_env = tmp / "runtime_env.yaml"
+    runtime_env.write_text(yaml.safe_dump({"env_vars": {"PYTHONPATH": str(tmp)}}))
+    env = {**token_cluster.env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "AWS_REGION": "eu-west-3",
+           "AWS_DEFAULT_REGION": "eu-west-3", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_PROFILE": "laptop",
+           "AWS_ACCESS_KEY_ID": _KEY_ID, "AWS_SECRET_ACCESS_KEY": _SECRET, "AWS_SESSION_TOKEN": _SESSION}
+    submission_id = f"vitpipe-test-{secrets.token_hex(4)}"
+    done = vitpipe("submit", str(untracked_spec), "--address", token_cluster.address, "--submission-id",
+                   submission_id, "--runtime-env", str(runtime_env), "--env", "VITPIPE_PROBE=hello", env=env)
+    return FollowedJob(done, submission_id, tmp / "mlflow.db")
+
+
+@pytest.fixture(scope="module")
+def failed_job(token_cluster, ingest_spec) -> tuple[subprocess.CompletedProcess, str]:
+    """A job submitted with --no-wait whose ingest source does not exist: it fails on the cluster."""
+    done = vitpipe("submit", str(ingest_spec), "--address", token_cluster.address, "--no-wait",
+                   "--set", "corpus.source=/nonexistent/vitpipe-corpus", env=token_cluster.env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, done.stdout.strip()
+
+
+def test_vitpipe_submit_runs_a_pipeline_to_succeeded_and_never_prints_the_token(token_cluster, followed_job):
+    done = followed_job.done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
     job_id = done.stdout.splitlines()[0]
     assert re.search(r"^corpus\s+ingest\s+(done|reused)\s", done.stdout, re.M), done.stdout
@@ -91,6 +153,82 @@ def test_vitpipe_submit_runs_a_pipeline_to_succeeded_and_never_prints_the_token(
     logs = vitpipe("logs", job_id, "--address", token_cluster.address, env=token_cluster.env).stdout
     assert "pipeline run" in logs
     assert token_cluster.token not in done.stdout + done.stderr + logs
+
+
+def test_submit_follows_the_jobs_logs_until_it_ends(followed_job):
+    done = followed_job.done
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"following job {followed_job.submission_id}" in done.stderr
+    assert "VITPIPE-PROBE" in done.stdout  # printed by the job's processes, streamed back while it ran
+    assert re.search(r"^corpus\s+ingest\s+(done|reused)\s", done.stdout, re.M)  # the job's last words
+
+
+def test_submit_gives_the_job_its_submission_id(token_cluster, followed_job):
+    assert followed_job.done.stdout.splitlines()[0] == followed_job.submission_id
+    state = vitpipe("status", followed_job.submission_id, "--address", token_cluster.address, env=token_cluster.env)
+    assert state.stdout.strip() == "SUCCEEDED"
+
+
+def test_submit_forwards_the_tracking_uri_and_the_non_secret_aws_settings(followed_job):
+    seen = followed_job.seen
+    assert seen["MLFLOW_TRACKING_URI"] == f"sqlite:///{followed_job.tracking_db}"
+    assert followed_job.tracking_db.is_file()  # the job's runs went to the submitter's store
+    assert seen["AWS_REGION"] == seen["AWS_DEFAULT_REGION"] == "eu-west-3"
+    assert seen["AWS_ENDPOINT_URL_S3"] == "http://127.0.0.1:9"
+    assert "AWS_PROFILE" not in seen  # a profile of the laptop's ~/.aws, unknown on the nodes
+
+
+def test_env_and_runtime_env_options_reach_the_job(followed_job):
+    assert followed_job.seen["VITPIPE_PROBE"] == "hello"  # --env; the probe itself came by --runtime-env
+
+
+def test_no_aws_key_or_session_token_reaches_the_job(token_cluster, followed_job):
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} & set(followed_job.seen)
+    logs = vitpipe("logs", followed_job.submission_id, "--address", token_cluster.address, env=token_cluster.env).stdout
+    for secret in (_KEY_ID, _SECRET, _SESSION):
+        assert secret not in followed_job.done.stdout + followed_job.done.stderr + logs
+
+
+def test_jobs_lists_the_clusters_jobs(token_cluster, followed_job):
+    listed = vitpipe("jobs", "--address", token_cluster.address, env=token_cluster.env)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[0].split() == ["id", "status", "start", "time", "entrypoint"]
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(followed_job.submission_id))
+    started = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+    assert re.search(rf"\sSUCCEEDED\s+{started}\s+python -m pipelines.cli run \S+untracked.yaml$", row), row
+
+
+def test_submit_no_wait_returns_at_once_with_only_the_job_id(token_cluster, failed_job):
+    done, job_id = failed_job
+    assert done.stdout.splitlines() == [job_id]  # no logs: following this job would have exited 1
+    assert wait_for(token_cluster.address, job_id, token_cluster.env, ("FAILED", "SUCCEEDED", "STOPPED")) == "FAILED"
+
+
+def test_following_a_failed_job_exits_1_naming_its_status(token_cluster, failed_job):
+    _, job_id = failed_job
+    followed = vitpipe("logs", job_id, "--follow", "--address", token_cluster.address, env=token_cluster.env)
+    assert followed.returncode == 1
+    assert "/nonexistent/vitpipe-corpus" in followed.stdout  # the job's own error, streamed
+    assert followed.stderr.strip().splitlines()[-1].startswith(f"error: job {job_id} FAILED")
+
+
+def test_a_spec_without_a_tracking_uri_is_refused_before_submitting(token_cluster, untracked_spec):
+    refused = vitpipe("submit", str(untracked_spec), "--address", token_cluster.address, env=token_cluster.env)
+    assert refused.returncode == 1 and refused.stdout == ""
+    [line] = refused.stderr.strip().splitlines()
+    assert line.startswith(f"error: spec {untracked_spec}: no tracking URI: set tracking_uri in the spec or "
+                           "MLFLOW_TRACKING_URI"), line
+
+
+def test_job_commands_take_the_address_from_RAY_ADDRESS(token_cluster, followed_job):
+    env = {**token_cluster.env, "RAY_ADDRESS": token_cluster.address}
+    assert vitpipe("status", followed_job.submission_id, env=env).stdout.strip() == "SUCCEEDED"
+
+
+def test_the_old_ray_address_flag_still_names_the_cluster(token_cluster, followed_job):
+    address = token_cluster.address
+    state = vitpipe("status", followed_job.submission_id, "--ray-address", address, env=token_cluster.env)
+    assert state.stdout.strip() == "SUCCEEDED", state.stderr
 
 
 def test_rays_own_job_submit_runs_the_same_spec(token_cluster, ingest_spec):

@@ -1,0 +1,70 @@
+"""The job commands' options, checked before any cluster is reached: one flag for the cluster, the version,
+and credentials refused in one line."""
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from pipelines import __version__
+from pipelines.cli import app
+
+
+@pytest.fixture
+def tracked_spec(tmp_path):
+    spec = {"name": "p", "storage": {"root": str(tmp_path / "work")}, "tracking_uri": "http://127.0.0.1:9",
+            "stages": {"corpus": {"kind": "ingest", "source": str(tmp_path / "corpus")}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _commands(group, prefix: str = "") -> dict:
+    found = {}
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):  # a group of subcommands
+            found.update(_commands(command, f"{prefix}{name} "))
+        else:
+            found[prefix + name] = command
+    return found
+
+
+def test_version_prints_vitpipes_version() -> None:
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"vitpipe {__version__}"
+
+
+def test_every_command_names_the_cluster_address_and_none_shows_ray_address() -> None:
+    commands = _commands(typer.main.get_command(app))
+    flags = {name: {o for p in c.params for o in p.opts} for name, c in commands.items()}
+    with_cluster = {name for name, opts in flags.items() if any("address" in o for o in opts)}
+    assert {"submit", "jobs", "status", "logs", "stop", "run", "ingest", "pretrain", "corpus synth"} <= with_cluster
+    assert all("--address" in flags[name] and "--ray-address" not in flags[name] for name in with_cluster)
+
+
+def test_an_env_naming_a_credential_is_refused_in_one_line(tracked_spec) -> None:
+    result = CliRunner().invoke(app, ["submit", str(tracked_spec), "--address", "http://127.0.0.1:9",
+                                      "--env", "AWS_SECRET_ACCESS_KEY=hunter2"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: --env: AWS_SECRET_ACCESS_KEY is a credential; jobs never carry credentials")
+    assert "hunter2" not in result.output
+
+
+def test_a_runtime_env_file_with_a_credential_is_refused_in_one_line(tracked_spec, tmp_path) -> None:
+    runtime_env = tmp_path / "runtime_env.yaml"
+    runtime_env.write_text(yaml.safe_dump({"env_vars": {"MLFLOW_TRACKING_TOKEN": "t0ken"}}))
+    result = CliRunner().invoke(app, ["submit", str(tracked_spec), "--address", "http://127.0.0.1:9",
+                                      "--runtime-env", str(runtime_env)])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"error: --runtime-env {runtime_env}: MLFLOW_TRACKING_TOKEN is a credential")
+    assert "t0ken" not in result.output
+
+
+def test_a_relative_sqlite_tracking_uri_is_refused_for_a_cluster(tracked_spec) -> None:
+    result = CliRunner().invoke(app, ["submit", str(tracked_spec), "--address", "http://127.0.0.1:9",
+                                      "--set", "tracking_uri=sqlite:///mlflow.db"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert "tracking URI sqlite:///mlflow.db is a relative path" in line
