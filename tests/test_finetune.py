@@ -178,7 +178,7 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
     config_file = tmp_path / "finetune.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     log = tmp_path / "stage.log"
-    command = [sys.executable, "-m", "pipelines.image.finetune", "--config", str(config_file), "--ray-address", ray_cluster.address]
+    command = [sys.executable, "-m", "pipelines.cli", "finetune", str(config_file), "--address", ray_cluster.address]
     sweep_dir = tmp_path / "runs" / "killed"
     with open(log, "ab") as out:
         first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

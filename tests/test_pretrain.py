@@ -328,7 +328,7 @@ def test_killed_worker_is_restarted_and_training_resumes_from_checkpoint(corpus,
 
 
 def _stage_process(config_file: Path, ray_address: str, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipelines.image.pretrain", "--config", str(config_file), "--ray-address", ray_address]
+    command = [sys.executable, "-m", "pipelines.cli", "pretrain", str(config_file), "--address", ray_address]
     with open(log, "ab") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
