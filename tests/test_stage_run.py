@@ -77,3 +77,13 @@ def test_a_named_run_whose_config_changed_is_refused_naming_the_changed_fields(c
     assert len(client.search_runs([client.get_experiment_by_name("skeleton").experiment_id])) == 1
     with stage_run(client, "pretrain", _config("named"), {"lr": 0.1, "model_overrides": {"class_token": True}}) as same:
         assert same.finished  # the unchanged config still finds its run
+
+
+def test_a_named_run_with_its_own_config_resumes_even_when_the_name_also_holds_another(client: MlflowClient) -> None:
+    with pytest.raises(RuntimeError), stage_run(client, "pretrain", _config("both"), {"lr": 0.1}) as failed:
+        raise RuntimeError("worker lost")
+    run_id = client.create_run(client.get_experiment_by_name("skeleton").experiment_id, run_name="both",
+                               tags={"vitpipe.stage": "pretrain", "vitpipe.config_hash": "older"}).info.run_id
+    assert run_id != failed.run_id  # an older run under the same name, as made before names were checked
+    with stage_run(client, "pretrain", _config("both"), {"lr": 0.1}) as rerun:
+        assert (rerun.run_id, rerun.resumed) == (failed.run_id, True)

@@ -94,7 +94,7 @@ def stage_run(
     """
     digest = tracking.config_hash(identity)
     name = config.run_name or f"{stage}-{digest[:12]}"
-    if config.run_name:
+    if config.run_name and not _has_run(client, config.experiment, stage, digest):  # else it resumes or is reused
         refuse_changed_named_run(client, stage, name, digest, identity)
     recorded = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     all_tags = {**(tags or {}), **({TAG_IDENTITY: recorded} if len(recorded) <= _MAX_TAG else {})}
@@ -134,10 +134,17 @@ def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest
     if stored is None:
         what = "its identity was not recorded"
     else:
-        before, after = tracking.flatten(json.loads(stored)), tracking.flatten(json.loads(json.dumps(identity, default=str)))
+        before = tracking.flatten(json.loads(stored))
+        after = tracking.flatten(json.loads(json.dumps(identity, default=str)))
         what = "changed: " + ", ".join(sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
     raise ValueError(f"run_name {name!r} already names {stage} run {old.info.run_id} with another config ({what}); "
                      "its checkpoints would seed this one: choose another run_name, or restore that config")
+
+
+def _has_run(client: MlflowClient, experiment: str, stage: str, digest: str) -> bool:
+    """True when the experiment holds a run of `stage` with this identity."""
+    experiment_id = tracking.get_or_create_experiment(client, experiment)
+    return tracking.find_stage_run(client, experiment_id, stage, digest) is not None
 
 
 def _all_experiments(client: MlflowClient) -> list[Any]:
