@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 import vit
 from pipelines.core import ingest as core_ingest
@@ -214,8 +214,6 @@ def test_class_token_and_global_tokens_overrides_reach_the_identity_and_the_para
 
 
 def test_credentials_are_scrubbed_by_exact_name_and_by_secret_type():
-    from pydantic import SecretStr
-
     tree = {"aws_secret_access_key": "S", "AWS_SESSION_TOKEN": "T", "token": "t", "password": "p",
             "api_key": "k", "db": {"secret": SecretStr("x"), "key": SecretStr("y")},
             "class_token": True, "global_tokens": 4, "secret_sauce_depth": 2, "tokenizer": "bpe"}
