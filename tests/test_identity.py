@@ -85,7 +85,7 @@ def _other_sampling_fields(config: VideoIngestConfig) -> set[str]:
     return set(other.sampling_settings()) - set(config.sampling_settings())
 
 
-def cases(checkpoint: str) -> dict[str, list[Case]]:
+def cases() -> dict[str, list[Case]]:
     """Per stage kind, the base configs whose every field is perturbed."""
     ingest_id = lambda c: c.identity()  # noqa: E731 — the fingerprint is a hash of it
     vingest = dict(source="/src", output="/out", frame_size=16, shard_size=2)
@@ -170,8 +170,8 @@ def checkpoint(tmp_path_factory) -> str:
     return str(vit.save_checkpoint(model, Path(tmp_path_factory.mktemp("ckpt")) / "ckpt"))
 
 
-def test_every_registered_stage_has_a_case_and_its_non_identity_fields_exist(checkpoint):
-    all_cases = cases(checkpoint)
+def test_every_registered_stage_has_a_case_and_its_non_identity_fields_exist():
+    all_cases = cases()
     assert set(all_cases) == set(STAGES)
     for kind, stage_cases in all_cases.items():
         for case in stage_cases:
@@ -181,7 +181,7 @@ def test_every_registered_stage_has_a_case_and_its_non_identity_fields_exist(che
 
 @pytest.mark.parametrize("kind", list(STAGES))
 def test_every_field_of_a_stage_config_changes_its_identity_unless_listed_as_not(kind, checkpoint):
-    for case in cases(checkpoint)[kind]:
+    for case in cases()[kind]:
         base = case.model.model_validate(case.base)
         digest = tracking.config_hash(case.identity(base))
         for field, info in case.model.model_fields.items():
