@@ -63,3 +63,27 @@ def test_the_config_names_the_run_and_the_resolved_config_is_logged_without_cred
     assert logged.data.params["lr"] == "0.1"
     assert "hunter2" not in str(logged.data.params)
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.run_id)]
+
+
+def test_a_named_run_whose_config_changed_is_refused_naming_the_changed_fields(client: MlflowClient) -> None:
+    with stage_run(client, "pretrain", _config("named"), {"lr": 0.1, "model_overrides": {"class_token": True}}):
+        pass
+    changed = {"lr": 0.2, "model_overrides": {"class_token": False}}
+    with pytest.raises(ValueError) as err, stage_run(client, "pretrain", _config("named"), changed):
+        pytest.fail("the changed config must not open a run under the old name")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "run_name 'named'" in message and "changed: lr, model_overrides.class_token" in message
+    assert len(client.search_runs([client.get_experiment_by_name("skeleton").experiment_id])) == 1
+    with stage_run(client, "pretrain", _config("named"), {"lr": 0.1, "model_overrides": {"class_token": True}}) as same:
+        assert same.finished  # the unchanged config still finds its run
+
+
+def test_a_named_run_with_its_own_config_resumes_even_when_the_name_also_holds_another(client: MlflowClient) -> None:
+    with pytest.raises(RuntimeError), stage_run(client, "pretrain", _config("both"), {"lr": 0.1}) as failed:
+        raise RuntimeError("worker lost")
+    run_id = client.create_run(client.get_experiment_by_name("skeleton").experiment_id, run_name="both",
+                               tags={"vitpipe.stage": "pretrain", "vitpipe.config_hash": "older"}).info.run_id
+    assert run_id != failed.run_id  # an older run under the same name, as made before names were checked
+    with stage_run(client, "pretrain", _config("both"), {"lr": 0.1}) as rerun:
+        assert (rerun.run_id, rerun.resumed) == (failed.run_id, True)

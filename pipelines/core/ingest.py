@@ -44,6 +44,12 @@ from pipelines.core.errors import IngestError, StorageError, TransientStorageErr
 from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
 
 log = logging.getLogger("vitpipe.ingest")
+# Config fields that do not change the shards written, so they stay out of the output's fingerprint.
+NOT_IDENTITY = {
+    "output", "endpoint_url",  # where the shards go and which endpoint serves the objects
+    "concurrency", "io_threads",  # how fast
+    "max_reject_fraction",  # how strict: it decides whether the stage fails, not what it writes
+}
 
 
 class ShardedIngestConfig(BaseModel):
@@ -87,9 +93,7 @@ class ShardedIngestConfig(BaseModel):
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide the output's content (not how fast or how strictly it is made)."""
-        return self.model_dump(
-            mode="json", exclude={"output", "endpoint_url", "concurrency", "io_threads", "max_reject_fraction"}
-        )
+        return self.model_dump(mode="json", exclude=NOT_IDENTITY)
 
 
 def _inside(inner: Location, outer: Location) -> bool:

@@ -6,6 +6,11 @@ untouched, an interrupted one is reopened and resumed, anything else is a new
 run. The run ends FINISHED when the stage's body returns and FAILED when it
 raises.
 
+A run's name also names its checkpoints and Tune state in the storage. A
+named run (`run_name` set) whose identity changed would therefore restore the
+old config's checkpoints into the new one: that is refused, in one line naming
+the changed fields (each run records its identity in the tag `vitpipe.identity`).
+
     with stage_run(client, "pretrain", config, identity, tags=tags) as run:
         if run.finished:
             return result_from(run.run_id, reused=True)
@@ -15,18 +20,22 @@ raises.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from pipelines.core import tracking
 
 logger = logging.getLogger(__name__)
 FINISHED = "FINISHED"
+TAG_IDENTITY = "vitpipe.identity"
+_MAX_TAG = 8000  # MLflow's limit on a tag value; a longer identity is not recorded (the refusal then names no field)
 
 
 class Recorded(Protocol):
@@ -80,12 +89,17 @@ def stage_run(
     """Open (or reopen) the run of `stage` whose identity is `identity`; end it FINISHED or FAILED.
 
     The run is named `config.run_name`, else `<stage>-<first 12 hex digits of the identity hash>`.
-    A finished run is handed over as it is and left as it is.
+    A finished run is handed over as it is and left as it is. A ValueError (one line) when `config.run_name`
+    already names a run of `stage` with another identity: its checkpoints must not seed this config.
     """
     digest = tracking.config_hash(identity)
     name = config.run_name or f"{stage}-{digest[:12]}"
+    if config.run_name and not _has_run(client, config.experiment, stage, digest):  # else it resumes or is reused
+        refuse_changed_named_run(client, stage, name, digest, identity)
+    recorded = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    all_tags = {**(tags or {}), **({TAG_IDENTITY: recorded} if len(recorded) <= _MAX_TAG else {})}
     run_id, previous = tracking.start_stage_run(
-        client, config.experiment, stage, digest, run_name=name, parent_run_id=config.parent_run_id, tags=tags
+        client, config.experiment, stage, digest, run_name=name, parent_run_id=config.parent_run_id, tags=all_tags
     )
     run = StageRun(client, stage, run_id, name, digest, previous)
     if run.finished:
@@ -100,3 +114,45 @@ def stage_run(
         ok = True
     finally:
         tracking.end_run(client, run_id, ok)
+
+
+def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest: str,
+                             identity: Mapping[str, Any]) -> None:
+    """Raise a one-line ValueError when a run of `stage` named `name` (in any experiment of the store, deleted
+    ones too: their checkpoints stay in the storage) has an identity other than `digest`."""
+    experiments = [e.experiment_id for e in _all_experiments(client)]
+    quoted = f'"{name}"' if "'" in name else f"'{name}'"
+    runs = client.search_runs(
+        experiments, filter_string=f"attributes.run_name = {quoted} and tags.`{tracking.TAG_STAGE}` = '{stage}' "
+                                   f"and tags.`{tracking.TAG_CONFIG_HASH}` != '{digest}'",
+        run_view_type=ViewType.ALL, order_by=["attributes.start_time DESC"], max_results=1,
+    ) if experiments else []
+    if not runs:
+        return
+    old = runs[0]
+    stored = old.data.tags.get(TAG_IDENTITY)
+    if stored is None:
+        what = "its identity was not recorded"
+    else:
+        before = tracking.flatten(json.loads(stored))
+        after = tracking.flatten(json.loads(json.dumps(identity, default=str)))
+        what = "changed: " + ", ".join(sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
+    raise ValueError(f"run_name {name!r} already names {stage} run {old.info.run_id} with another config ({what}); "
+                     "its checkpoints would seed this one: choose another run_name, or restore that config")
+
+
+def _has_run(client: MlflowClient, experiment: str, stage: str, digest: str) -> bool:
+    """True when the experiment holds a run of `stage` with this identity."""
+    experiment_id = tracking.get_or_create_experiment(client, experiment)
+    return tracking.find_stage_run(client, experiment_id, stage, digest) is not None
+
+
+def _all_experiments(client: MlflowClient) -> list[Any]:
+    """Every experiment of the store, page by page."""
+    found, token = [], None
+    while True:
+        page = client.search_experiments(view_type=ViewType.ALL, max_results=1000, page_token=token)
+        found.extend(page)
+        token = page.token
+        if not token:
+            return found

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,6 +24,7 @@ from typing import Any
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
+from pydantic import SecretBytes, SecretStr
 
 from pipelines.core.uris import strip_userinfo
 
@@ -34,8 +34,15 @@ TAG_STAGE = "vitpipe.stage"
 TAG_CONFIG_HASH = "vitpipe.config_hash"
 TAG_PARENT = "mlflow.parentRunId"
 
-# Keys whose values are credentials, wherever they sit in a config tree.
-_SECRET_KEY = re.compile(r"(secret|password|passwd|token|credential|access_key|session_key|api_key)", re.I)
+# The names of credential fields, matched whole (any case), wherever they sit in a config tree. A closed
+# list, not a substring test: `class_token` or `global_tokens` name model architecture, and dropping them
+# would hide them from the params and from the run identity (a changed model would reuse a finished run).
+CREDENTIAL_KEYS = frozenset({
+    "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "access_key", "secret_key",
+    "session_token", "password", "passwd", "token", "api_key", "api_token", "access_token", "refresh_token",
+    "auth_token", "secret", "client_secret", "private_key", "credentials",
+    "mlflow_tracking_password", "mlflow_tracking_token", "ray_auth_token",
+})
 # MLflow limits a param value to 6000 characters; longer values are cut, not rejected.
 _MAX_PARAM_LEN = 6000
 # log_batch accepts at most 1000 metrics / 100 params per call.
@@ -55,10 +62,15 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri
 
 
+def is_credential(key: Any, value: Any) -> bool:
+    """True for a credential field: its name is in `CREDENTIAL_KEYS`, or its value is a pydantic secret."""
+    return str(key).lower() in CREDENTIAL_KEYS or isinstance(value, (SecretStr, SecretBytes))
+
+
 def redact(value: Any) -> Any:
-    """A copy of a config tree with credential-named keys removed and URI userinfo stripped."""
+    """A copy of a config tree without credential fields (`is_credential`) and with URI userinfo stripped."""
     if isinstance(value, Mapping):
-        return {k: redact(v) for k, v in value.items() if not _SECRET_KEY.search(str(k))}
+        return {k: redact(v) for k, v in value.items() if not is_credential(k, v)}
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
     if isinstance(value, str) and "://" in value:

@@ -36,7 +36,11 @@ from pipelines.training.starting_weights import fetch_starting_weights, init_kin
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
-_NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "batch_size"}
+# Fields that do not change what is measured, so they stay out of the run identity; every other field is in it.
+NOT_IDENTITY = {
+    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
+    "batch_size",  # how fast features are computed
+}
 
 
 class EvaluateConfig(BaseModel):
@@ -252,14 +256,23 @@ def _log_table(client: Any, run_id: str, table: dict[int, list[float]], num_clas
     logger.info("evaluate: %s", ", ".join(f"{k}-shot {np.mean(v):.3f}" for k, v in table.items()))
 
 
+def run_identity(config: EvaluateConfig, manifest: dict[str, Any], init_source_run: str | None,
+                 resolution: int) -> dict[str, Any]:
+    """What decides the measurement: the config, the data's content hash, the run the weights came from and
+    the resolution they are evaluated at; known before anything runs."""
+    identity = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
+    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=init_source_run,
+                    resolution=resolution)
+    return identity
+
+
 def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     start, size = _starting_model(config, manifest, tracking_uri)
-    identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
-    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id, resolution=size)
+    identity = run_identity(config, manifest, start.source_run_id, size)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),

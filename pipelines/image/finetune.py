@@ -49,10 +49,12 @@ STAGE = "finetune"
 METRICS = {"val_top1": "max", "val_loss": "min", "train_loss": "min"}
 TAG_PRETRAIN_RUN = "vitpipe.pretrain_run_id"
 TAG_MANIFEST = "vitpipe.manifest_hash"
-# Fields that say where to record, how fast or how to retry, not what is trained: out of the run identity.
-_NOT_IDENTITY = {
-    "tracking_uri", "experiment", "parent_run_id", "max_concurrent_trials", "max_failures", "ray_data_cpus",
-    "trial_driver_cpus", "train_data", "memory_limit_mb", "keep_checkpoints", "torch_threads",
+# Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
+NOT_IDENTITY = {
+    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
+    "max_concurrent_trials", "ray_data_cpus", "trial_driver_cpus", "torch_threads",  # how fast
+    "train_data", "memory_limit_mb",  # how rows reach the trials (in memory or streamed), not which rows
+    "max_failures", "keep_checkpoints",  # how trials are retried and how many checkpoints they keep
 }
 _DEFAULT_SPACE = {"lr": {"grid": [0.001, 0.003, 0.01, 0.03]}, "steps": 500}
 
@@ -272,7 +274,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     }
     connect(ray_address)
     per_worker, concurrent = trial_capacity(config, streaming=not in_memory)
-    with stage_run(client, STAGE, config, run_identity(config, manifest, start),
+    with stage_run(client, STAGE, config, run_identity(config, manifest, start.source_run_id),
                    tags={**tags, **tracking.system_info(config.num_workers, config.use_gpu)}) as run:
         if run.finished:
             return _result_from_run(client, run.run_id, reused=True)
@@ -301,10 +303,11 @@ def starting_weights(config: FinetuneConfig, manifest: dict[str, Any], tracking_
     )
 
 
-def run_identity(config: FinetuneConfig, manifest: dict[str, Any], start: StartingWeights) -> dict[str, Any]:
-    """The part of a config (plus the data's content hash and the starting run) that decides what is trained."""
-    identity = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
-    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=start.source_run_id)
+def run_identity(config: FinetuneConfig, manifest: dict[str, Any], init_source_run: str | None) -> dict[str, Any]:
+    """The part of a config (plus the data's content hash and the run the starting weights came from) that
+    decides what is trained; known before anything runs."""
+    identity = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
+    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=init_source_run)
     return identity
 
 

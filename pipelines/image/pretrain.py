@@ -32,8 +32,12 @@ from pipelines.training.recipe import LoopSettings, TrainRecipe
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, storage_location
 
 STAGE = "pretrain"
-# Fields that say where to record or how to retry, not what is trained: they stay out of the run identity.
-_NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "ingest_run_id", "max_failures"}
+# Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
+NOT_IDENTITY = {
+    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
+    "ingest_run_id",  # lineage only: the data's content hash is in the identity
+    "max_failures",  # how often a worker group is retried
+}
 
 
 class PretrainConfig(TrainRecipe):
@@ -125,8 +129,9 @@ def loop_settings(
 
 
 def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The part of a config (plus the data's content hash) that decides what is trained."""
-    tree = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
+    """The part of a config (plus the data's content hash) that decides what is trained: a function of the
+    config and the manifest only, so it is known before anything runs."""
+    tree = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
     tree["data_content_hash"] = manifest.get("content_hash")
     return tree
 

@@ -58,8 +58,17 @@ logger = logging.getLogger(__name__)
 STAGE = "video_features"
 PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
 
-__all__ = ["FrameFeatures", "VideoFeaturesConfig", "VideoFeaturesResult", "load_config",
-           "run_video_features"]
+__all__ = ["NOT_IDENTITY", "FrameFeatures", "VideoFeaturesConfig", "VideoFeaturesResult", "load_backbone",
+           "load_config", "run_identity", "run_video_features"]
+# Fields that do not change the features stored, so they stay out of the output's identity. The identity holds
+# the others as what they resolve to: `data` as the source's content hash; `init`, `backbone`,
+# `backbone_overrides` and `seed` as the built backbone (its config and its weights' hash); `frame_size`
+# and `precision` as resolved.
+NOT_IDENTITY = {
+    "output", "endpoint_url", "tracking_uri", "experiment",  # where things are read, written and recorded
+    "batch_size", "videos_per_batch", "num_workers", "cpus_per_worker",  # how fast
+    "compression",  # how shards are encoded on disk: the features read back are the same
+}
 
 
 class VideoFeaturesConfig(BaseModel):
@@ -174,11 +183,9 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     source = open_store(config.data, endpoint_url=config.endpoint_url)
     out = open_store(config.output, endpoint_url=config.endpoint_url)
     shards.check_output(out)
-    initial, backbone = _load_backbone(config, source_manifest)
+    initial, backbone = load_backbone(config, source_manifest)
     bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None  # resolved here, the same for all actors
-    identity = {"format": FORMAT, "data": manifest_digest(source_manifest), "weights": backbone["weights_hash"],
-                "frame_size": initial.frame_size, "precision": "bf16" if bf16 else "fp32",
-                "feature_dtype": config.feature_dtype}
+    identity = run_identity(config, source_manifest, backbone, initial.frame_size, bf16)
     fingerprint = shards.fingerprint(identity)
     done = None if force else shards.finished_manifest(out, fingerprint)
     if done is not None:
@@ -217,7 +224,16 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
                                seconds=time.perf_counter() - start)
 
 
-def _load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[InitialModel, dict[str, Any]]:
+def run_identity(config: VideoFeaturesConfig, source_manifest: dict[str, Any], backbone: dict[str, Any],
+                 frame_size: int, bf16: bool) -> dict[str, Any]:
+    """What decides the features stored: the source's content, the backbone (`load_backbone`'s record: its
+    architecture and its weights' hash), the resolved frame size and precision, and the stored dtype."""
+    return {"format": FORMAT, "data": manifest_digest(source_manifest), "weights": backbone["weights_hash"],
+            "backbone": {"name": backbone["name"], "overrides": backbone["overrides"]},
+            "frame_size": frame_size, "precision": "bf16" if bf16 else "fp32", "feature_dtype": config.feature_dtype}
+
+
+def load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[InitialModel, dict[str, Any]]:
     """The frozen VTN whose backbone computes the features (built as video_train builds its model),
     and the backbone as the manifest records it."""
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)

@@ -67,9 +67,15 @@ STAGE = "video_train"
 TAG_VIDEO_RUN = "vitpipe.video_train_run_id"
 TAG_BACKBONE_RUN = "vitpipe.backbone_run_id"
 MODES = ("full_video", "multiview")
-# Fields that say where to record or how to retry, not what is trained: out of the run identity.
-_NOT_IDENTITY = {"tracking_uri", "experiment", "parent_run_id", "ingest_run_id", "max_failures", "registry_model",
-                 "torch_threads"}
+# Fields that do not change what is trained and evaluated, so they stay out of the run identity; every other
+# field is in it.
+NOT_IDENTITY = {
+    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
+    "ingest_run_id",  # lineage only: the data's content hash is in the identity
+    "registry_model",  # where the finished model is registered
+    "max_failures",  # how often a worker group is retried
+    "torch_threads",  # how fast
+}
 
 
 class VideoTrainConfig(TrainRecipe):
@@ -147,8 +153,9 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: An
 
 
 def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The part of a config (plus the data's content hash) that decides what is trained and evaluated."""
-    tree = tracking.redact(config.model_dump(mode="json", exclude=_NOT_IDENTITY))
+    """The part of a config (plus the data's content hash) that decides what is trained and evaluated; known
+    before anything runs."""
+    tree = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
     tree["data_content_hash"] = manifest_digest(manifest)
     return tree
 
