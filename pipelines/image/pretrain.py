@@ -190,5 +190,5 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
             max_failures=config.max_failures, keep=config.keep_last, datasets=patch_datasets(config, settings),
         )
         result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
-        run.set_tags({"vitpipe.model_uri": log_outputs(client, tracking_uri, run.run_id, result) or ""})
+        run.set_tags({"vitpipe.model_uri": log_outputs(client, run.run_id, result) or ""})
     return _result_from_run(client, run.run_id, reused=False)
