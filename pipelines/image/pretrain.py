@@ -60,7 +60,7 @@ class PretrainResult(BaseModel):
     run_id: str
     final_checkpoint: str  # runs:/<id>/checkpoints/final — a vit checkpoint dir
     best_checkpoint: str  # runs:/<id>/checkpoints/best
-    model_uri: str | None  # the logged MLflow PyTorch model
+    model_uri: str | None  # the logged MLflow model (pyfunc over safetensors, no pickle)
     storage_path: str  # the Ray Train run directory (resumable checkpoints)
     metrics: dict[str, float]
     resumed: bool = False  # True when training restarted from a checkpoint (worker group restart or rerun)
