@@ -1,19 +1,24 @@
 """`vitpipe demo`: the whole pipeline on this machine, with nothing running beforehand.
 
-A local Ray, a `sqlite:///` MLflow store and one working directory. It writes a
+A local Ray, a `sqlite:///` MLflow store and one working directory, which holds
+every file the demo writes (MLflow's artifacts too: `<workdir>/mlartifacts`). It writes a
 synthetic fractal corpus and scikit-learn's digits, then runs
 `pipelines/specs/demo.yaml`: pretrain a small ViT on the fractals, fine-tune on
 the digits from that checkpoint and from scratch, and probe the pretrained
-features few-shot. The closing table is the paper's central claim at toy scale:
+features few-shot. Both fine-tuned models are registered as versions of
+`vitpipe-demo-digits` with their lineage; the better one carries the
+`champion` alias (the UI's Models page). The closing table is the paper's central claim at toy scale:
 pretrained against scratch test accuracy.
 
 With `video=True` (`vitpipe demo --video`) it writes a generated video corpus
 instead of the digits and runs `pipelines/specs/video_demo.yaml`: a VTN whose
-per-frame backbone is that pretrained ViT, evaluated full-video and multi-view.
+per-frame backbone is that pretrained ViT, evaluated full-video and multi-view,
+registered as `vitpipe-demo-vtn`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +37,9 @@ FRACTALS = dict(images=6000, classes=100, size=32)
 DIGITS_SIZE = 16
 VIDEOS = dict(videos=240, classes=6, size=32, frames=48)
 _DONE = ".vitpipe-corpus-complete"
+ARTIFACTS = "mlartifacts"  # MLflow's artifact root, under the work folder
+
+logger = logging.getLogger(__name__)
 
 
 def _write_once(path: Path, write: Callable[[], object]) -> None:
@@ -61,6 +69,26 @@ def demo_spec(workdir: Path, overrides: list[str] = (), video: bool = False) -> 
     else:
         placed += [f"digits.source={corpus / 'digits'}", f"digits.manifest={corpus / 'digits'}/manifest.csv"]
     return load_spec(VIDEO_DEMO_SPEC if video else DEMO_SPEC, [*placed, *overrides])
+
+
+def keep_artifacts_under(spec: PipelineSpec, workdir: Path) -> None:
+    """Create the demo's experiment with its artifact root at `workdir/mlartifacts`.
+
+    A `sqlite:///` store has no artifact root of its own: without this, MLflow
+    writes every artifact to `./mlruns` of the directory the demo started from.
+    """
+    from mlflow.tracking import MlflowClient
+
+    if not spec.resolved_tracking_uri().startswith("sqlite:"):
+        return  # a tracking server (`--set tracking_uri=...`) has its own artifact root
+    client = MlflowClient(spec.resolved_tracking_uri())
+    experiment = client.get_experiment_by_name(spec.experiment)
+    if experiment is None:
+        client.create_experiment(spec.experiment, artifact_location=(workdir / ARTIFACTS).as_uri())
+    elif not experiment.artifact_location.startswith(workdir.as_uri()):
+        logger.warning("experiment %r keeps its artifacts at %s, outside %s (made by an older vitpipe); "
+                       "a new --workdir keeps everything in one place", spec.experiment,
+                       experiment.artifact_location, workdir)
 
 
 def comparison(result: PipelineResult) -> str:
@@ -106,10 +134,12 @@ def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[s
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(root, list(overrides), video=video)
+    keep_artifacts_under(spec, root)
     connect()
     _write_corpora(root, video=video)
     result = run_pipeline(spec)
     return result, video_comparison(result) if video else comparison(result)
 
 
-__all__ = ["DEMO_SPEC", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "run_demo", "video_comparison"]
+__all__ = ["DEMO_SPEC", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "keep_artifacts_under", "run_demo",
+           "video_comparison"]

@@ -23,7 +23,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines.core import tracking
+from pipelines.core import registry
 from pipelines.image.pretrain import PretrainConfig, run_pretrain
 from pipelines.training.trainer import TrainingDivergedError
 from tests.process_output import result_json
@@ -175,19 +175,20 @@ def test_final_and_best_checkpoints_and_curve_are_logged(trained):
 def test_logged_checkpoint_loads_into_vit_with_the_logged_models_logits(trained):
     config, result, client = trained
     mlflow.set_tracking_uri(client.tracking_uri)
-    from_checkpoint = tracking.load_model_from_run(result.final_checkpoint)
-    from_model = mlflow.pytorch.load_model(result.model_uri)
+    from_checkpoint = registry.load_model_from_run(result.final_checkpoint)
+    from_model = mlflow.pyfunc.load_model(result.model_uri)  # the logged pyfunc: safetensors + vit code, no pickle
     assert isinstance(from_checkpoint, vit.VisionTransformer)
     x = torch.randn(5, 16, 48)
     with torch.no_grad():
-        torch.testing.assert_close(from_checkpoint.eval()(x), from_model.eval()(x), rtol=0, atol=0)
+        torch.testing.assert_close(from_checkpoint.eval()(x), torch.from_numpy(from_model.predict(x.numpy())),
+                                   rtol=0, atol=0)
 
 
 def test_logged_checkpoint_reproduces_the_final_validation_accuracy(trained):
     from pipelines.image.data import load_split
 
     config, result, client = trained
-    model = tracking.load_model_from_run(result.final_checkpoint, tracking_uri=client.tracking_uri).eval()
+    model = registry.load_model_from_run(result.final_checkpoint, tracking_uri=client.tracking_uri).eval()
     val = load_split(config.data, "val")
     x, y = torch.as_tensor(val[0]), torch.as_tensor(val[1])
     precision = client.get_run(result.run_id).data.tags["vitpipe.precision"]
@@ -218,7 +219,7 @@ def test_the_same_config_trains_the_same_weights_twice(corpus, ray_cluster, tmp_
         config = base_config(corpus, tmp_path / attempt, num_workers=1, steps=6, checkpoint_interval=0,
                              augment=True, shuffle_buffer=64)
         result = run_pretrain(config)
-        model = tracking.load_model_from_run(result.final_checkpoint, tracking_uri=config.tracking_uri)
+        model = registry.load_model_from_run(result.final_checkpoint, tracking_uri=config.tracking_uri)
         weights.append(model.state_dict())
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import tracking
+from pipelines.core import registry, tracking
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_logged_checkpoint_dir_loads_back_by_run_uri(client, exp, tmp_path):
     tracking.log_checkpoint_dir(client, run_id, tmp_path / "ckpt", "checkpoints/final")
     logged = {a.path for a in client.list_artifacts(run_id, "checkpoints/final")}
     assert logged == {"checkpoints/final/model.safetensors", "checkpoints/final/config.json"}
-    loaded = tracking.load_model_from_run(f"runs:/{run_id}/checkpoints/final", tracking_uri=client.tracking_uri)
+    loaded = registry.load_model_from_run(f"runs:/{run_id}/checkpoints/final", tracking_uri=client.tracking_uri)
     x = torch.randn(2, 16, 48)
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
 
@@ -166,4 +166,4 @@ def test_loading_a_run_path_that_is_no_checkpoint_is_a_value_error(client, exp):
     run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
     tracking.log_dict_artifact(client, run_id, {"a": 1}, "notes/a.json")
     with pytest.raises(ValueError, match="is not a vit checkpoint directory"):
-        tracking.load_model_from_run(f"runs:/{run_id}/notes", tracking_uri=client.tracking_uri)
+        registry.load_model_from_run(f"runs:/{run_id}/notes", tracking_uri=client.tracking_uri)

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 import vit
 from pipelines.cli import app
-from pipelines.core import shards, tracking
+from pipelines.core import registry, shards
 from pipelines.video import shards as video_shards
 from pipelines.core.errors import VitpipeError
 from pipelines.video.feature_data import (
@@ -221,7 +221,7 @@ def test_video_train_on_features_trains_the_temporal_encoder(trained):
 
 def test_video_train_on_features_keeps_the_pretrained_backbone_in_a_normal_vtn_checkpoint(trained, backbone_run):
     config, result = trained
-    final = tracking.load_model_from_run(result.final_checkpoint, config.tracking_uri)
+    final = registry.load_model_from_run(result.final_checkpoint, config.tracking_uri)
     pretrained = vit.load_checkpoint(backbone_run["checkpoint"]).state_dict()
     for name, tensor in final.backbone.state_dict().items():
         assert torch.equal(tensor, pretrained[name]), name

@@ -4,8 +4,7 @@ One MLflow run per stage execution: the driver creates (or, on a resumed
 execution, reopens) the run, and only rank 0 of the training workers logs into
 it by run id. Everything here talks to MLflow through an explicit tracking URI
 and `MlflowClient`, not the fluent global run, so a worker can never end or
-create a run by accident. The one exception is `log_torch_model` (MLflow offers
-model logging only through the fluent API), which only the driver calls.
+create a run by accident. Models are logged and read by `pipelines.core.registry`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -288,44 +286,3 @@ def log_checkpoint_dir(client: MlflowClient, run_id: str, local_dir: str | Path,
         raise ValueError(f"checkpoint directory {local_dir} holds no model.safetensors/config.json")
     for path in files:
         client.log_artifact(run_id, str(path), artifact_path)
-
-
-def log_torch_model(tracking_uri: str, run_id: str, model: Any, name: str = "model") -> str:
-    """Log `model` as an MLflow PyTorch model in the run; returns its model URI."""
-    import torch
-
-    # Explicit requirements: inferring them imports and runs the model in a subprocess, slow and fragile.
-    requirements = [f"torch=={torch.__version__.split('+')[0]}", "vitpipe", "safetensors"]
-    with _tracking_uri(tracking_uri), mlflow.start_run(run_id=run_id):
-        # Pickle, not MLflow's default traced "pt2": tracing needs an input example and fails on dynamic grids.
-        info = mlflow.pytorch.log_model(
-            model, name=name, pip_requirements=requirements, serialization_format="pickle"
-        )
-    # start_run(run_id=...) ends the run on exit; the caller sets the final status after.
-    return info.model_uri
-
-
-@contextmanager
-def _tracking_uri(uri: str | None) -> Iterator[None]:
-    """Point MLflow's fluent API at `uri` for a block, then back (it is process-global)."""
-    if not uri:
-        yield
-        return
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        with _no_link_printing(uri):
-            yield
-    finally:
-        mlflow.set_tracking_uri(previous)
-
-
-def load_model_from_run(uri: str, tracking_uri: str | None = None) -> Any:
-    """Load a ViT from a logged checkpoint directory, e.g. `runs:/<run_id>/checkpoints/final`."""
-    import vit  # deferred: vit loads torch, and spec (the CLI's start-up) imports this module
-
-    with tempfile.TemporaryDirectory() as tmp:
-        local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp, tracking_uri=tracking_uri)
-        if not (Path(local) / "model.safetensors").exists():
-            raise ValueError(f"{uri} is not a vit checkpoint directory (no model.safetensors)")
-        return vit.load_checkpoint(local)

@@ -285,7 +285,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
                              init_path=stage_init(start.model, storage_path, filesystem, run.name),
                              location=(storage_path, filesystem), per_worker=per_worker)
         result_grid = _run_sweep(config, ctx, storage_path, filesystem, run.name, concurrent, resolutions[0])
-        report_sweep(client, tracking_uri, run.run_id, ctx, result_grid, metric=config.metric, mode=config.sweep_mode,
+        report_sweep(client, run.run_id, ctx, result_grid, metric=config.metric, mode=config.sweep_mode,
                      searched=[n for n, p in config.space.params.items() if p.kind is not None] or ["lr"],
                      registry_model=config.registry_model, lineage=tags)
     return _result_from_run(client, run.run_id, reused=False)

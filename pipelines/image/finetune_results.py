@@ -3,7 +3,9 @@
 The trials' nested MLflow runs get their final metrics and a status tag
 (completed, early_stopped, failed); the stage run gets the sweep figure, the
 best configuration, the best model's test accuracy and confusion matrix, the
-model itself, and a new version in the Model Registry tagged with its lineage.
+model itself (safetensors + config.json, no pickle), and a new version in the
+Model Registry tagged with its lineage and score; the best-scoring version of
+the name carries the `champion` alias.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import vit
 from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
-from pipelines.core.registry import register
+from pipelines.core.registry import Score, log_vit_model, register
 from pipelines.core.shards import class_names
 from pipelines.image.finetune_data import iter_rows
 from pipelines.image.finetune_trial import latest_checkpoint
@@ -136,7 +138,7 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
         return vit.load_checkpoint(tmp)
 
 
-def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_grid: Any, *, metric: str, mode: str,
+def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric: str, mode: str,
                  searched: list[str], registry_model: str | None, lineage: dict[str, str]) -> None:
     """Everything after `Tuner.fit`: close the trial runs, plot the sweep, test, log and register the best trial.
 
@@ -180,13 +182,20 @@ def report_sweep(client: Any, tracking_uri: str, run_id: str, ctx: Any, result_g
     tracking.log_dict_artifact(client, run_id, {"trial_id": best["trial_id"], "config": best_config,
                                                 metric: best["metric"], "test_top1": test_top1}, "best_config.json")
     tracking.set_tags(client, run_id, {"vitpipe.best_config": json.dumps(best_config), "vitpipe.best_trial": best["trial_id"]})
+    score = Score("test_top1", test_top1) if test_top1 is not None else Score(metric, float(best["metric"]), mode)
+    _log_best_model(client, run_id, model, registry_model, lineage, score)
+
+
+def _log_best_model(client: Any, run_id: str, model: Any, registry_model: str | None, lineage: dict[str, str],
+                    score: Score) -> None:
+    """Log the best trial's checkpoint and MLflow model, and register it (the best version becomes `champion`)."""
     with tempfile.TemporaryDirectory() as tmp:
         vit.save_checkpoint(model, tmp)
         tracking.log_checkpoint_dir(client, run_id, tmp, "checkpoints/best")
-    model_uri = tracking.log_torch_model(tracking_uri, run_id, model)
+        model_uri = log_vit_model(client, run_id, tmp)
     tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri})
     if registry_model:
-        version = register(client, tracking_uri, registry_model, model_uri, run_id, lineage, run_tag=TAG_FINETUNE_RUN)
+        version = register(client, registry_model, model_uri, run_id, lineage, run_tag=TAG_FINETUNE_RUN, score=score)
         tracking.set_tags(client, run_id, {"vitpipe.registered_model": registry_model, "vitpipe.registered_version": version})
 
 

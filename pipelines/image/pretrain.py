@@ -64,7 +64,7 @@ class PretrainResult(BaseModel):
     run_id: str
     final_checkpoint: str  # runs:/<id>/checkpoints/final — a vit checkpoint dir
     best_checkpoint: str  # runs:/<id>/checkpoints/best
-    model_uri: str | None  # the logged MLflow PyTorch model
+    model_uri: str | None  # the logged MLflow model (pyfunc over safetensors, no pickle)
     storage_path: str  # the Ray Train run directory (resumable checkpoints)
     metrics: dict[str, float]
     resumed: bool = False  # True when training restarted from a checkpoint (worker group restart or rerun)
@@ -195,5 +195,5 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
             max_failures=config.max_failures, keep=config.keep_last, datasets=patch_datasets(config, settings),
         )
         result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
-        run.set_tags({"vitpipe.model_uri": log_outputs(client, tracking_uri, run.run_id, result) or ""})
+        run.set_tags({"vitpipe.model_uri": log_outputs(client, run.run_id, result) or ""})
     return _result_from_run(client, run.run_id, reused=False)

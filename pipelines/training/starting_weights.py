@@ -5,7 +5,8 @@
 * nothing (`None` / "none"): a fresh model of `model` (from-scratch baseline);
 * an MLflow run: `runs:/<run_id>/<artifact path>` or a bare run id, meaning its
   `checkpoints/final` (what the pretrain stage logs);
-* a registered model version: `models:/<name>/<version>` or `models:/<name>@<alias>`;
+* a registered model version: `models:/<name>/<version>`, `models:/<name>/latest`
+  or `models:/<name>@<alias>` (e.g. `@champion`);
 * a project checkpoint directory (`model.safetensors` + `config.json`), local or
   `s3://bucket/prefix` — e.g. a Ray Train checkpoint of the pretrain stage;
 * a published timm or Hugging Face ViT weights file or directory on local disk,
@@ -13,11 +14,15 @@
 
 `fetch_starting_weights` turns any of them into an in-memory ViT and records
 which MLflow run produced it (the lineage the registry tags point back to).
+From a run, a registered version or a checkpoint directory it reads exactly two
+files, `config.json` and `model.safetensors` (`vit.load_checkpoint`): nothing
+found there is unpickled or run, whatever else the folder holds.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import tempfile
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import vit
+from pipelines.core.registry import CHECKPOINT_FILES, MODEL_CHECKPOINT, download_checkpoint
 from pipelines.core.storage import open_store
 from pipelines.core.uris import strip_userinfo
 
@@ -92,6 +98,15 @@ def _not_found(err: Exception) -> bool:
     return getattr(err, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or "not found" in str(err).lower()
 
 
+def _load_files(local: Path, source: str) -> Any:
+    """`vit.load_checkpoint` of downloaded files, any failure (not safetensors, wrong config) as one line."""
+    try:
+        return vit.load_checkpoint(local)
+    except Exception as err:  # safetensors' own error type, torch's RuntimeError on a wrong shape, ValueError
+        cause = " ".join(str(err).split())[:200] or type(err).__name__
+        raise ValueError(f"init {source}: not a loadable vit checkpoint (config.json + model.safetensors): {cause}") from None
+
+
 def _from_run(init: str, tracking_uri: str) -> tuple[Any, str]:
     import mlflow
 
@@ -106,47 +121,63 @@ def _from_run(init: str, tracking_uri: str) -> tuple[Any, str]:
         if _not_found(err):
             raise ValueError(f"init: MLflow run {run_id!r} not found at {strip_userinfo(tracking_uri)}") from None
         raise
+    uri = f"runs:/{run_id}/{artifact}"
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            local = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"runs:/{run_id}/{artifact}", dst_path=tmp, tracking_uri=tracking_uri
-            )
-        except (mlflow.exceptions.MlflowException, OSError) as err:
-            raise ValueError(f"init: run {run_id} has no artifact {artifact!r} ({' '.join(str(err).split())[:200]})") from None
-        if not (Path(local) / "model.safetensors").is_file():
-            raise ValueError(f"init: runs:/{run_id}/{artifact} is not a vit checkpoint (no model.safetensors)")
-        return vit.load_checkpoint(local), run_id
+            local = download_checkpoint(uri, tmp, tracking_uri)
+        except ValueError as err:
+            raise ValueError(f"init: {err}") from None
+        return _load_files(local, uri), run_id
+
+
+def _registered_version(client: Any, name_version: str) -> Any:
+    """The model version `name/<number>`, `name/latest` or `name@alias` names."""
+    if "@" in name_version:
+        name, alias = name_version.split("@", 1)
+        return client.get_model_version_by_alias(name, alias)
+    name, _, number = name_version.rpartition("/")
+    if name and number == "latest":
+        versions = client.search_model_versions(f"name = '{name}'")
+        if not versions:
+            raise ValueError(f"init: registered model {name!r} has no versions")
+        return max(versions, key=lambda v: int(v.version))
+    if not (name and number.isdigit()):
+        raise ValueError(f"init models:/{name_version}: expected models:/<name>/<version> or models:/<name>@<alias>")
+    return client.get_model_version(name, number)
 
 
 def _from_registry(init: str, tracking_uri: str) -> tuple[Any, str | None]:
+    """The registered version's `artifacts/checkpoint` files, read by vit; MLflow's loaders (and pickle) are not used."""
     import mlflow
 
-    name_version = init.removeprefix("models:/")
     client = _client(tracking_uri)
     try:
-        if "@" in name_version:
-            name, alias = name_version.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, _, number = name_version.rpartition("/")
-            version = client.get_model_version(name, number) if name and number.isdigit() else None
-        mlflow.set_tracking_uri(tracking_uri)
-        model = mlflow.pytorch.load_model(init)
+        version = _registered_version(client, init.removeprefix("models:/"))
+        root = client.get_model_version_download_uri(version.name, version.version)
     except mlflow.exceptions.MlflowException as err:
         if _not_found(err):
             raise ValueError(f"init: registered model {init!r} not found at {strip_userinfo(tracking_uri)}") from None
         raise
-    return model, version.run_id if version is not None else None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri)
+        except ValueError:
+            raise ValueError(
+                f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
+                "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
+            ) from None
+        return _load_files(local, init), version.run_id
 
 
 def _from_storage(init: str, endpoint_url: str | None) -> Any:
     store = open_store(init, endpoint_url=endpoint_url)
+    source = strip_userinfo(init)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("config.json", "model.safetensors"):
+        for name in CHECKPOINT_FILES:
             if not store.exists(name):
-                raise ValueError(f"init {strip_userinfo(init)}: not a vit checkpoint (no {name})")
+                raise ValueError(f"init {source}: not a vit checkpoint (no {name})")
             Path(tmp, name).write_bytes(store.read(name))
-        return vit.load_checkpoint(tmp)
+        return _load_files(Path(tmp), source)
 
 
 def _from_foreign(init: str, model_name: str | None, overrides: dict[str, Any]) -> Any:
@@ -161,6 +192,9 @@ def _from_foreign(init: str, model_name: str | None, overrides: dict[str, Any]) 
     except ValueError as err:
         text = " ".join(str(err).split())
         raise ValueError(f"init {init}: does not fit model {model_name!r}: {text[:300]}") from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
+        raise ValueError(f"init {init}: refused: the pickle holds objects other than tensors, "
+                         "and vitpipe never runs code from a weights file") from None
     return model
 
 

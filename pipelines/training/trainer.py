@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import vit
-from pipelines.core import storage, tracking
+from pipelines.core import registry, storage, tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
 from pipelines.training.hooks import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, LoopHooks
 from pipelines.training.loop import train_loop_per_worker
@@ -146,13 +146,13 @@ def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: s
     return result
 
 
-def log_outputs(client: Any, tracking_uri: str, run_id: str, result: Any) -> str | None:
-    """Log the final and best checkpoints, the learning curve and the model; returns the model URI."""
+def log_outputs(client: Any, run_id: str, result: Any) -> str:
+    """Log the final and best checkpoints, the learning curve and the final model (no pickle); returns its URI."""
     import pyarrow.fs as pafs
 
     with result.checkpoint.as_directory() as final_dir:
         tracking.log_checkpoint_dir(client, run_id, final_dir, "checkpoints/final")
-        model = vit.load_checkpoint(final_dir)
+        model_uri = registry.log_vit_model(client, run_id, final_dir)
     best_path = f"{result.path}/{BEST_DIR}"
     with tempfile.TemporaryDirectory() as tmp:
         if result.filesystem.get_file_info(best_path).type == pafs.FileType.Directory:
@@ -163,4 +163,4 @@ def log_outputs(client: Any, tracking_uri: str, run_id: str, result: Any) -> str
             with result.checkpoint.as_directory() as final_dir:
                 tracking.log_checkpoint_dir(client, run_id, final_dir, "checkpoints/best")
     tracking.log_learning_curve(client, run_id)
-    return tracking.log_torch_model(tracking_uri, run_id, model)
+    return model_uri

@@ -22,8 +22,8 @@ across time. This stage
   again on frames in random order (the paper's order ablation), with
   `pipelines.video.eval`;
 * logs the [CLS] token's last-layer attention over the frames of a few videos
-  as a picture, the checkpoints, the learning curve and the MLflow model, and
-  registers the model when `registry_model` is set.
+  as a picture, the checkpoints, the learning curve and the MLflow model
+  (safetensors, no pickle), and registers the model when `registry_model` is set.
 
 One MLflow run per execution, found again by config hash (`pipelines.core.stage_run`):
 a rerun of a finished config returns it untouched, an interrupted one resumes.
@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 import vit
 from pipelines.core import tracking
-from pipelines.core.registry import register
+from pipelines.core.registry import Score, register
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
@@ -135,7 +135,7 @@ class VideoTrainResult(BaseModel):
 
     run_id: str
     final_checkpoint: str  # runs:/<id>/checkpoints/final — a vit checkpoint dir of the VTN
-    model_uri: str | None  # the logged MLflow PyTorch model (registrable)
+    model_uri: str | None  # the logged MLflow model (pyfunc over safetensors; registrable)
     storage_path: str
     metrics: dict[str, float]
     evaluation: list[dict[str, Any]] = Field(default_factory=list)  # one row per mode (and frame order)
@@ -254,15 +254,19 @@ def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialMod
     return fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
 
 
-def _log_model(config: VideoTrainConfig, client: Any, tracking_uri: str, run_id: str, result: Any,
-               tags: dict[str, str]) -> None:
-    """Log the final model (MLflow PyTorch model) and register it when `registry_model` is set."""
-    model_uri = log_outputs(client, tracking_uri, run_id, result)
-    tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri or ""})
-    if config.registry_model and model_uri:
+def _log_model(config: VideoTrainConfig, client: Any, run_id: str, result: Any, tags: dict[str, str]) -> None:
+    """Log the final model (safetensors, no pickle) and register it when `registry_model` is set.
+
+    The version's score is the first evaluation mode's test top-1, so `champion` marks the most accurate VTN.
+    """
+    model_uri = log_outputs(client, run_id, result)
+    tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri})
+    if config.registry_model:
         lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
-        version = register(client, tracking_uri, config.registry_model, model_uri, run_id, lineage,
-                           run_tag=TAG_VIDEO_RUN)
+        metric = f"{config.eval_modes[0]}_top1"
+        score = Score(metric, client.get_run(run_id).data.metrics[metric])
+        version = register(client, config.registry_model, model_uri, run_id, lineage, run_tag=TAG_VIDEO_RUN,
+                           score=score)
         tracking.set_tags(client, run_id, {"vitpipe.registered_model": config.registry_model,
                                            "vitpipe.registered_version": version})
 
@@ -287,5 +291,5 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
         with result.checkpoint.as_directory() as final_dir:
             model = vit.load_checkpoint(final_dir)
         log_evaluation(client, run.run_id, model, config, manifest, initial.frame_size, classes)
-        _log_model(config, client, tracking_uri, run.run_id, result, tags)
+        _log_model(config, client, run.run_id, result, tags)
     return _result_from_run(client, run.run_id, reused=False)
