@@ -226,11 +226,16 @@ class MetricBuffer:
         in_flight, self._in_flight = self._in_flight, []
         for operations in in_flight:
             operations.wait()
+        if in_flight:
+            # MLflow's logging threads, left running, hang the interpreter's exit (MLflow 3.17, checked here);
+            # the store starts them again on its next asynchronous call.
+            queue = getattr(self.client._tracking_client.store, "_async_logging_queue", None)
+            if queue is not None:
+                queue.shut_down_async_logging()
 
 
 def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:
-    """Mark the stage run FINISHED or FAILED, after this process's asynchronous logging is stored."""
-    mlflow.flush_async_logging()
+    """Mark the stage run FINISHED or FAILED."""
     status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
     with _no_link_printing(client.tracking_uri):
         client.set_terminated(run_id, status=status)
