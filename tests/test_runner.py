@@ -154,6 +154,15 @@ def test_the_fine_tune_trials_are_nested_below_the_fine_tune_stage(runs):
     assert len(trials) == 1 and trials[0].data.tags["vitpipe.stage"] == "finetune-trial"
 
 
+def test_the_fine_tune_run_holds_its_trials_learning_curves_and_each_trial_its_system_metrics(runs):
+    first, _, client = runs
+    finetune = next(r.run_id for r in first.rows if r.stage == "finetune")
+    assert "trial_curves.png" in {a.path for a in client.list_artifacts(finetune)}
+    experiment = client.get_run(finetune).info.experiment_id
+    trial = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{finetune}'")[0]
+    assert "system/cpu_utilization_percentage" in trial.data.metrics
+
+
 def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     assert binary, "headless Chromium is needed (Debian package chromium; .ci/run installs it)"
@@ -165,7 +174,10 @@ def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_the_mlflow_ui_shows_the_pipeline_run(runs, mlflow_server, tmp_path):
     first, _, client = runs
     experiment = client.get_run(first.run_id).info.experiment_id
-    page = f"{mlflow_server}/#/experiments/{experiment}/runs"
+    # The experiment's own address, as a user opens it: marked as model training, the UI shows the
+    # runs table there (unmarked, MLflow 3 opens on its GenAI overview, which lists no runs).
+    assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
+    page = f"{mlflow_server}/#/experiments/{experiment}"
     dom = _chromium(f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", page).stdout
     assert "tiny" in dom  # the pipeline run's name, rendered by the UI's run table
     shot = tmp_path / "runs.png"

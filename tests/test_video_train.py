@@ -138,6 +138,13 @@ def test_cls_attention_over_frames_is_logged_as_a_picture(trained, tmp_path):
         assert all(w >= 0 for w in video["attention"]) and 0 < sum(video["attention"]) <= 1 + 1e-6
 
 
+def test_video_training_logs_its_learning_curve_as_a_picture(trained, tmp_path):
+    config, result = trained
+    client = client_of(config)
+    picture = Path(client.download_artifacts(result.run_id, "learning_curve.png", str(tmp_path)))
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_frozen_backbone_from_a_pretrain_run_keeps_the_pretrained_weights(trained, backbone_run):
     config, result = trained
     final = registry.load_model_from_run(result.final_checkpoint, config.tracking_uri)

@@ -1,4 +1,5 @@
-"""Figures a transfer stage logs: the sweep at a glance and the best model's confusion matrix.
+"""Figures the stages log: the sweep at a glance, the trials' learning curves, the best model's confusion
+matrix and where a pretrained ViT looks.
 
 Plain matplotlib on the Agg backend (drivers run headless); every function
 returns a Figure for `MlflowClient.log_figure` and leaves closing it to the caller.
@@ -108,4 +109,51 @@ def confusion_figure(matrix: np.ndarray, class_names: Sequence[str], title: str 
     return fig
 
 
-__all__ = ["confusion_figure", "sweep_figure"]
+def trial_curves_figure(curves: Sequence[dict[str, Any]], keys: Sequence[str] = ("val_top1", "train_loss")) -> Any:
+    """One panel per metric in `keys`, one line per trial against step, coloured by the trial's status.
+
+    Each curve is `{"label": str, "status": str, "metrics": {key: [(step, value), ...]}}`.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for curve in curves:
+            points = curve["metrics"].get(key) or []
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, color=STATUS_COLOURS.get(curve["status"], "tab:gray"), alpha=0.8,
+                        marker="." if len(points) < 30 else None, label=curve["label"])
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    if len(curves) <= 12:  # past that a legend hides the curves; the colours still tell the status
+        axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(f"{len(curves)} trials; blue completed, orange stopped early, red failed")
+    fig.tight_layout()
+    return fig
+
+
+def attention_figure(images: np.ndarray, maps: np.ndarray, titles: Sequence[str]) -> Any:
+    """Each image (top) above its attention map laid over it (bottom).
+
+    `images` is `(B, H, W, C)` in [0, 1]; `maps` is `(B, grid_h, grid_w)`, stretched over the image.
+    """
+    plt = _pyplot()
+    n = len(images)
+    fig, axes = plt.subplots(2, n, figsize=(2.4 * n, 5), squeeze=False)
+    for i in range(n):
+        image = images[i].squeeze(-1) if images[i].shape[-1] == 1 else images[i]
+        height, width = image.shape[:2]
+        for ax in axes[:, i]:
+            ax.imshow(image, cmap="gray" if image.ndim == 2 else None)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[1, i].imshow(maps[i], cmap="inferno", alpha=0.6, extent=(-0.5, width - 0.5, height - 0.5, -0.5),
+                          interpolation="nearest")
+        axes[0, i].set_title(str(titles[i]), fontsize=9)
+    fig.suptitle("attention rollout from the pooled token (bright: the patches the prediction draws on)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["attention_figure", "confusion_figure", "sweep_figure", "trial_curves_figure"]

@@ -31,6 +31,10 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 TAG_STAGE = "vitpipe.stage"
 TAG_CONFIG_HASH = "vitpipe.config_hash"
 TAG_PARENT = "mlflow.parentRunId"
+# MLflow 3's UI opens an experiment by this tag: without it, on the GenAI overview (traces) instead of the
+# runs table. The value is the UI's `ExperimentKind.CUSTOM_MODEL_DEVELOPMENT` ("Machine learning").
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 # The names of credential fields, matched whole (any case), wherever they sit in a config tree. A closed
 # list, not a substring test: `class_token` or `global_tokens` name model architecture, and dropping them
@@ -118,13 +122,18 @@ def system_info(num_workers: int, use_gpu: bool) -> dict[str, str]:
 
 
 def get_or_create_experiment(client: MlflowClient, name: str) -> str:
-    """The id of the named experiment, created if missing."""
+    """The id of the named experiment, created if missing, marked as model training for MLflow's UI.
+
+    An existing experiment without a kind gets one; a kind someone chose is kept.
+    """
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        if experiment.lifecycle_stage != "active":
-            raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or choose another name")
-        return experiment.experiment_id
-    return client.create_experiment(name)
+    if experiment is None:
+        return client.create_experiment(name, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+    if experiment.lifecycle_stage != "active":
+        raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or choose another name")
+    if TAG_EXPERIMENT_KIND not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+    return experiment.experiment_id
 
 
 def find_stage_run(client: MlflowClient, experiment_id: str, stage: str, digest: str) -> Any | None:
@@ -196,13 +205,17 @@ class MetricBuffer:
     """Collects step metrics and sends them to MLflow in batches.
 
     One HTTP/database round trip per training step would cost more than a tiny
-    model's step, so rank 0 buffers and flushes every few steps.
+    model's step, so rank 0 buffers and flushes every few steps. With
+    `asynchronous`, a flush hands the batch to MLflow's background logger and
+    returns at once; `wait` blocks until every batch sent so far is stored.
     """
 
-    def __init__(self, client: MlflowClient, run_id: str) -> None:
+    def __init__(self, client: MlflowClient, run_id: str, *, asynchronous: bool = False) -> None:
         self.client = client
         self.run_id = run_id
+        self.asynchronous = asynchronous
         self._pending: list[Metric] = []
+        self._in_flight: list[Any] = []  # RunOperations of asynchronous batches not yet waited for
 
     def add(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Queue `metrics` for `step`."""
@@ -210,10 +223,25 @@ class MetricBuffer:
         self._pending.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
 
     def flush(self) -> None:
-        """Send everything queued."""
+        """Send everything queued (in the background when asynchronous)."""
         while self._pending:
             chunk, self._pending = self._pending[:_METRIC_BATCH], self._pending[_METRIC_BATCH:]
-            self.client.log_batch(self.run_id, metrics=chunk)
+            operations = self.client.log_batch(self.run_id, metrics=chunk, synchronous=not self.asynchronous)
+            if operations is not None:
+                self._in_flight.append(operations)
+
+    def wait(self) -> None:
+        """Flush, then block until every batch is stored (raises what the background logger hit)."""
+        self.flush()
+        in_flight, self._in_flight = self._in_flight, []
+        for operations in in_flight:
+            operations.wait()
+        if in_flight:
+            # MLflow's logging threads, left running, hang the interpreter's exit (MLflow 3.17, checked here);
+            # the store starts them again on its next asynchronous call.
+            queue = getattr(self.client._tracking_client.store, "_async_logging_queue", None)
+            if queue is not None:
+                queue.shut_down_async_logging()
 
 
 def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:

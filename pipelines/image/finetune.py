@@ -359,7 +359,9 @@ def _run_sweep(config: FinetuneConfig, ctx: SweepContext, storage_path: str, fil
             ),
             run_config=tune.RunConfig(
                 name=sweep, storage_path=storage_path, storage_filesystem=filesystem,
-                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False), verbose=0,
+                # verbose=1: Tune's trial table (status, step, the metric) on the console now and then, not
+                # every result; each trial's own worker lines are the step-level progress.
+                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False), verbose=1,
             ),
         )
     return tuner.fit()

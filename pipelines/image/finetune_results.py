@@ -1,7 +1,7 @@
 """After a fine-tuning sweep: what became of each trial, and the best one tested, logged and registered.
 
 The trials' nested MLflow runs get their final metrics and a status tag
-(completed, early_stopped, failed); the stage run gets the sweep figure, the
+(completed, early_stopped, failed); the stage run gets the sweep figure, the trials' learning curves, the
 best configuration, the best model's test accuracy and confusion matrix, the
 model itself (safetensors + config.json, no pickle), and a new version in the
 Model Registry tagged with its lineage and score; the best-scoring version of
@@ -29,6 +29,7 @@ from pipelines.image.finetune_trial import latest_checkpoint
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
 TAG_FINETUNE_RUN = "vitpipe.finetune_run_id"
+TRIAL_CURVES_FIGURE = "trial_curves.png"
 
 
 def trial_outcomes(result_grid: Any, metric: str) -> list[dict[str, Any]]:
@@ -91,6 +92,28 @@ def finish_trial_runs(client: Any, parent: str, outcomes: list[dict[str, Any]]) 
             buffer.add(finals, int(trial["last"].get("step", 0)))
             buffer.flush()
         client.set_terminated(run_id, status="FAILED" if trial["status"] == "failed" else "FINISHED")
+
+
+def log_trial_curves(client: Any, run_id: str, outcomes: list[dict[str, Any]],
+                     keys: tuple[str, ...] = ("val_top1", "train_loss")) -> bool:
+    """One figure of every trial's `keys` against step (from its nested run) in the stage run; False when
+    no trial logged any."""
+    curves = []
+    for trial in outcomes:
+        if "run_id" not in trial:  # failed before its run was opened
+            continue
+        metrics = {}
+        for key in keys:
+            # A restored or perturbed trial re-logs steps: keep the latest value of each.
+            history = sorted(client.get_metric_history(trial["run_id"], key), key=lambda m: (m.step, m.timestamp))
+            metrics[key] = sorted({m.step: m.value for m in history}.items())
+        curves.append({"label": trial["trial_id"], "status": trial["status"], "metrics": metrics})
+    if not any(points for curve in curves for points in curve["metrics"].values()):
+        return False
+    figure = plots.trial_curves_figure(curves, keys)
+    client.log_figure(run_id, figure, TRIAL_CURVES_FIGURE)
+    figure.clf()
+    return True
 
 
 def pick_best(outcomes: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
@@ -156,6 +179,7 @@ def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric
     )
     client.log_figure(run_id, figure, "sweep.png")
     figure.clf()
+    log_trial_curves(client, run_id, outcomes)
     best = pick_best(outcomes, mode)
     buffer = tracking.MetricBuffer(client, run_id)
     if best is None:
@@ -204,6 +228,7 @@ __all__ = [
     "evaluate_split",
     "finish_trial_runs",
     "load_trial_model",
+    "log_trial_curves",
     "pick_best",
     "report_sweep",
     "trial_outcomes",

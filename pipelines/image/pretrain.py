@@ -3,7 +3,7 @@
 The driver validates the config against the ingest manifest, opens the stage's
 single MLflow run, builds a `TorchTrainer` whose workers run
 `pipelines.training.loop.train_loop_per_worker`, and after training logs the final
-and best checkpoints, the model and a learning curve into the run.
+and best checkpoints, the model, a learning curve and an attention picture into the run.
 
 Running the same config again resumes: Ray Train finds the latest checkpoint
 under the same `(storage, run name)`, and the unfinished MLflow run tagged with
@@ -27,6 +27,7 @@ from pipelines.core.shards import read_manifest
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
+from pipelines.image.attention_map import log_attention_picture
 from pipelines.image.data import patch_dataset
 from pipelines.training.recipe import LoopSettings, TrainRecipe
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, storage_location
@@ -196,4 +197,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
         )
         result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
         run.set_tags({"vitpipe.model_uri": log_outputs(client, run.run_id, result) or ""})
+        with result.checkpoint.as_directory() as final_dir:
+            log_attention_picture(client, run.run_id, vit.load_checkpoint(final_dir), config.data, manifest,
+                                  endpoint_url=config.endpoint_url)
     return _result_from_run(client, run.run_id, reused=False)

@@ -30,7 +30,7 @@ from pipelines.training.step import (
     save_train_state,
     seed_everything,
 )
-from pipelines.training.worker import Rank0Log, Worker, all_reduce_sum, gather_rng, restore_rng
+from pipelines.training.worker import Progress, Rank0Log, Worker, all_reduce_sum, gather_rng, restore_rng
 
 
 @dataclass
@@ -57,7 +57,11 @@ def train_loop_per_worker(config: dict[str, Any], hooks: LoopHooks | None = None
     end); rank 0 attaches checkpoints and logs step metrics to MLflow.
     """
     hooks = hooks or LoopHooks()
-    _train(_start(config, hooks), hooks)
+    run = _start(config, hooks)
+    try:
+        _train(run, hooks)
+    finally:
+        run.log.close()  # the metrics sent in the background are stored before the driver ends the run
 
 
 def _start(config: dict[str, Any], hooks: LoopHooks) -> _Run:
@@ -74,7 +78,7 @@ def _start(config: dict[str, Any], hooks: LoopHooks) -> _Run:
         torch.set_num_threads(s.torch_threads)
     device = ray.train.torch.get_device()
     worker = Worker(ctx.get_world_rank(), ctx.get_world_size(), device, storage.storage_filesystem,
-                    storage.experiment_fs_path, inputs)
+                    storage.experiment_fs_path, inputs, ctx.get_experiment_name())
     amp_dtype = resolve_precision(s.precision, device)
 
     seed_everything(s.seed)  # identical init everywhere; DDP also broadcasts rank 0's weights
@@ -90,7 +94,8 @@ def _start(config: dict[str, Any], hooks: LoopHooks) -> _Run:
         ray.train.torch.prepare_model(forward), optimizer, scheduler, device=device, amp_dtype=amp_dtype,
         clip_grad_norm=s.clip_grad_norm, label_smoothing=s.label_smoothing,
     )
-    log = Rank0Log(s, worker.rank)
+    global_batch = s.batch_size_per_worker * s.grad_accum_steps * worker.world
+    log = Rank0Log(s, worker.rank, Progress(worker.name, hooks.end_step(s), global_batch, int(pos["step"])))
     hooks.on_start(log, amp_dtype, device, resumed_from)
     return _Run(s, worker, model, forward, optimizer, scheduler, step_fn, amp_dtype, log, pos, resumed_from)
 
@@ -169,6 +174,7 @@ def _flush_losses(run: _Run, unlogged: list[tuple[int, torch.Tensor]]) -> list[f
     for (step, _), value in zip(unlogged, values):
         run.log.metrics({"train_loss": value}, step)
     run.log.flush()
+    run.log.show(unlogged[-1][0], values[-1])
     return values
 
 
