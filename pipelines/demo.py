@@ -32,6 +32,9 @@ FRACTALS = dict(images=6000, classes=100, size=32)
 DIGITS_SIZE = 16
 VIDEOS = dict(videos=240, classes=6, size=32, frames=48)
 _DONE = ".vitpipe-corpus-complete"
+# The demo's own Ray holds at most this much in its object store (Ray's default is 30% of the machine's
+# memory), so the demo's footprint does not grow with the machine; its data are a few MB.
+OBJECT_STORE_BYTES = 2**30
 
 
 def _write_once(path: Path, write: Callable[[], object]) -> None:
@@ -98,6 +101,18 @@ def _require_video_extra() -> None:
                            "pip install 'vitpipe[video]'") from None
 
 
+def start_ray() -> None:
+    """Join `$RAY_ADDRESS` when set; else start the demo's own local Ray, its object store capped.
+
+    Its own, not one that `ray start` left running: a first run should not depend on how another cluster
+    was sized or what it is busy with.
+    """
+    if os.environ.get("RAY_ADDRESS"):
+        connect()
+    else:
+        connect("local", object_store_bytes=OBJECT_STORE_BYTES)
+
+
 def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[str] = (),
              video: bool = False) -> tuple[PipelineResult, str]:
     """Write the corpora, run the demo pipeline (or the video demo's); returns its result and the comparison text."""
@@ -106,10 +121,10 @@ def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[s
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(root, list(overrides), video=video)
-    connect()
+    start_ray()
     _write_corpora(root, video=video)
     result = run_pipeline(spec)
     return result, video_comparison(result) if video else comparison(result)
 
 
-__all__ = ["DEMO_SPEC", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "run_demo", "video_comparison"]
+__all__ = ["DEMO_SPEC", "OBJECT_STORE_BYTES", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "run_demo", "start_ray", "video_comparison"]
