@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,10 +103,19 @@ def run(workdir: Path, interval: float, demo_args: list[str]) -> dict[str, objec
     with open(workdir.parent / f"{workdir.name}-demo.log", "w") as log:
         proc = subprocess.Popen(command, cwd=workdir.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
         sampler = TreeSampler(proc.pid)
-        while proc.poll() is None:
-            sampler.sample()
-            time.sleep(interval)
+        try:
+            while proc.poll() is None:
+                sampler.sample()
+                time.sleep(interval)
+        except KeyboardInterrupt:  # stopped early (SIGINT or SIGTERM): end the demo's tree, report the peak so far
+            for child in sampler.seen.values():
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            proc.wait()
     return {
+        "finished": proc.returncode is not None and proc.returncode >= 0,
         "command": " ".join(["vitpipe", "demo", "--workdir", str(workdir), *demo_args]),
         "exit_code": proc.returncode,
         "seconds": round(time.monotonic() - start, 1),
@@ -129,6 +139,7 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples")
     parser.add_argument("demo_args", nargs="*", help="after --: more `vitpipe demo` arguments, e.g. --video")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill PID` reports the peak so far, as Ctrl-C does
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vitpipe-demo-memory-")) / "work"
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
