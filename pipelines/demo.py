@@ -15,6 +15,7 @@ per-frame backbone is that pretrained ViT, evaluated full-video and multi-view.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,9 @@ _DONE = ".vitpipe-corpus-complete"
 # The demo's own Ray holds at most this much in its object store (Ray's default is 30% of the machine's
 # memory), so the demo's footprint does not grow with the machine; its data are a few MB.
 OBJECT_STORE_BYTES = 2**30
+# Ray's memory monitor kills workers when the whole machine is 95% full, whoever fills it: off for the
+# demo's own capped cluster, so other programs' memory does not fail a demo that fits.
+_SYSTEM_CONFIG = {"memory_monitor_refresh_ms": 0}
 
 
 def _write_once(path: Path, write: Callable[[], object]) -> None:
@@ -109,8 +113,19 @@ def start_ray() -> None:
     """
     if os.environ.get("RAY_ADDRESS"):
         connect()
-    else:
-        connect("local", object_store_bytes=OBJECT_STORE_BYTES)
+        return
+    # Train's placement-group cleaner finds the state API through this; unset, with other Ray clusters on
+    # the machine it finds several and gives up, and finished trials' placement groups leak.
+    port = _free_port()
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    connect("local", object_store_memory=OBJECT_STORE_BYTES, dashboard_port=port, _system_config=_SYSTEM_CONFIG)
+
+
+def _free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[str] = (),
