@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,12 @@ _DONE = ".vitpipe-corpus-complete"
 ARTIFACTS = "mlartifacts"  # MLflow's artifact root, under the work folder
 
 logger = logging.getLogger(__name__)
+# The demo's own Ray holds at most this much in its object store (Ray's default is 30% of the machine's
+# memory), so the demo's footprint does not grow with the machine; its data are a few MB.
+OBJECT_STORE_BYTES = 2**30
+# Ray's memory monitor kills workers when the whole machine is 95% full, whoever fills it: off for the
+# demo's own capped cluster, so other programs' memory does not fail a demo that fits.
+_SYSTEM_CONFIG = {"memory_monitor_refresh_ms": 0}
 
 
 def _write_once(path: Path, write: Callable[[], object]) -> None:
@@ -126,6 +133,29 @@ def _require_video_extra() -> None:
                            "pip install 'vitpipe[video]'") from None
 
 
+def start_ray() -> None:
+    """Join `$RAY_ADDRESS` when set; else start the demo's own local Ray, its object store capped.
+
+    Its own, not one that `ray start` left running: a first run should not depend on how another cluster
+    was sized or what it is busy with.
+    """
+    if os.environ.get("RAY_ADDRESS"):
+        connect()
+        return
+    # Train's placement-group cleaner finds the state API through this; unset, with other Ray clusters on
+    # the machine it finds several and gives up, and finished trials' placement groups leak.
+    port = _free_port()
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    connect("local", object_store_memory=OBJECT_STORE_BYTES, dashboard_port=port, _system_config=_SYSTEM_CONFIG)
+
+
+def _free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[str] = (),
              video: bool = False) -> tuple[PipelineResult, str]:
     """Write the corpora, run the demo pipeline (or the video demo's); returns its result and the comparison text."""
@@ -135,11 +165,11 @@ def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[s
     root.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(root, list(overrides), video=video)
     keep_artifacts_under(spec, root)
-    connect()
+    start_ray()
     _write_corpora(root, video=video)
     result = run_pipeline(spec)
     return result, video_comparison(result) if video else comparison(result)
 
 
-__all__ = ["DEMO_SPEC", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "keep_artifacts_under", "run_demo",
-           "video_comparison"]
+__all__ = ["DEMO_SPEC", "OBJECT_STORE_BYTES", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "keep_artifacts_under",
+           "run_demo", "start_ray", "video_comparison"]

@@ -163,3 +163,11 @@ def vtn_train_fields(data: str, backbone_run: dict[str, str], experiment: str) -
         batch_size_per_worker=8, log_interval=5, checkpoint_interval=0, precision="fp32",
         storage=f"{backbone_run['tmp']}/runs", tracking_uri=backbone_run["tracking_uri"], experiment=experiment,
     )
+
+
+def upload_tree(s3: Any, root: str | Path, bucket: str, prefix: str) -> str:
+    """Put every file under `root` into `s3://bucket/prefix/<relative path>` with boto3 client `s3`; returns that URI."""
+    root = Path(root)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
+    return f"s3://{bucket}/{prefix}"

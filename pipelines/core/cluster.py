@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
-def connect(address: str | None = None) -> None:
-    """Connect this process to Ray unless it already is: to `address`, else to `$RAY_ADDRESS`, else a local cluster."""
+def connect(address: str | None = None, **local: Any) -> None:
+    """Connect this process to Ray unless it already is: to `address`, else to `$RAY_ADDRESS`, else a local cluster.
+
+    `local` are `ray.init` arguments for a cluster this call starts (`address="local"`), such as
+    `object_store_memory`; Ray refuses them when joining a running cluster, whose head decided them.
+    """
     import ray  # deferred: importing ray takes seconds; the CLI imports this module at start-up
 
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"))
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), **local)
