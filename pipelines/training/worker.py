@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,9 +86,9 @@ SYSTEM_METRICS_INTERVAL_S = 5.0
 class Progress:
     """One console line per log interval on rank 0: step, loss, images/s and the time left.
 
-    Rank 0's prints reach the driver's console through Ray's worker log
-    forwarding (Train V2 runs the loop in actors whose stdout Ray forwards), so
-    `vitpipe run` and `ray job logs` show them without a callback or polling.
+    Rank 0 writes them to its stderr, which Ray's worker log forwarding copies
+    to the driver's stderr, so `vitpipe run` and `ray job logs` show them without
+    a callback or polling, and stdout keeps only the stage's result table.
     """
 
     def __init__(self, name: str, end: int, global_batch: int, start_step: int) -> None:
@@ -122,9 +123,11 @@ class Rank0Log:
             self.monitor = _system_metrics(s.mlflow_run_id, s.tracking_uri)
 
     def show(self, step: int, loss: float) -> None:
-        """Print the progress line at `step` (rank 0)."""
+        """Write the progress line at `step` to stderr (rank 0)."""
         if self.progress is not None:
-            print(self.progress.line(step, loss), flush=True)
+            # Not print(): Train V2 patches it into its own logger, and this line belongs on stderr.
+            sys.stderr.write(self.progress.line(step, loss) + "\n")
+            sys.stderr.flush()
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         """Queue `values` at `step` (sent at the next flush)."""
