@@ -40,6 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.core import plan as ingest_plan, shards
+from pipelines.core.fetch import reusable
 from pipelines.core.errors import IngestError, StorageError, TransientStorageError, VitpipeError, find_vitpipe_error
 from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
 
@@ -139,7 +140,11 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
     """The stage flow shared by every ingest: check the source, run the plan → process pipeline
     (one listing pass; shards whose plan did not change are reused), drop stale shards, write the
     manifest, apply the rejection threshold, and write `_SUCCESS` last. A rerun that finds its
-    input and config unchanged writes nothing and is `skipped`. `force` rewrites every shard."""
+    input and config unchanged writes nothing and is `skipped`. `force` rewrites every shard.
+
+    Raises `StorageError` (one line naming the URI) when the source, manifest or output cannot be
+    reached, and `IngestError` when more than `max_reject_fraction` of the objects are rejected.
+    """
     start = time.perf_counter()
     settings = S3Settings.resolve(config.endpoint_url)
     source = open_store(config.source, settings)
@@ -303,6 +308,12 @@ def _plan_udf(
     yield {"plan": np.array([json.dumps(done)], dtype=object)}
 
 
+def _reused_shard(out: Store, plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of the plan's shard when an earlier run wrote it for this very plan and it may be kept."""
+    existing = shards.existing_summary(out, plan["key"], plan["fingerprint"])
+    return existing if existing is not None and reusable(existing) else None
+
+
 def _process_udf(
     batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, out: Store, process: Callable[..., dict[str, Any]]
 ) -> dict[str, Any]:
@@ -310,7 +321,7 @@ def _process_udf(
     if "error" in plan or "input_digest" in plan:
         return {"summary": batch["plan"]}  # pass the planner's error or digest on to the driver
     try:
-        summary = process(plan, config, source, out)
+        summary = _reused_shard(out, plan) or process(plan, config, source, out)
     except TransientStorageError:
         raise  # Ray retries the task (`SHARD_TASK_RETRIES`); it never becomes a rejection
     except VitpipeError as err:

@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from pipelines.core import shards
-from pipelines.core.fetch import fetch_planned, reusable
+from pipelines.core.fetch import fetch_planned
 from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
                                    run_sharded_ingest, shard_counts)
 from pipelines.core.storage import S3Settings, Store
@@ -39,22 +39,13 @@ class IngestConfig(ShardedIngestConfig):
 
 
 def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:
-    """Run (or resume, or skip) the ingest stage; `force` rewrites a finished output from scratch.
-
-    Raises `StorageError` (one line naming the URI) when the source, manifest or
-    output cannot be reached, and `IngestError` when more than
-    `max_reject_fraction` of the objects are rejected.
-    """
+    """Run (or resume, or skip) the image ingest; errors as `run_sharded_ingest` raises them."""
     return run_sharded_ingest(config, IMAGES, force=force)
 
 
 def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out: Store) -> dict[str, Any]:
-    """Decode and write one planned shard (or reuse it when already written for this plan); returns its summary."""
+    """Decode and write one planned shard; returns its summary (the engine reuses one already written)."""
     key = plan["key"]
-    existing = shards.existing_summary(out, key, plan["fingerprint"])
-    if existing is not None and reusable(existing):
-        return existing
-
     size, p = config.image_size, config.patch_size
     grid = size // p
     pixels = _pixel_buffer((len(plan["keys"]), grid * grid, p * p * 3))

@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from pipelines.core import shards
-from pipelines.core.fetch import fetch_planned, reusable
+from pipelines.core.fetch import fetch_planned
 from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
                                    run_sharded_ingest, shard_counts)
 from pipelines.core.storage import S3Settings, Store
@@ -85,23 +85,14 @@ class VideoIngestConfig(ShardedIngestConfig):
 
 
 def run_video_ingest(config: VideoIngestConfig, *, force: bool = False) -> IngestResult:
-    """Run (or resume, or skip) the video ingest stage; `result.counts["videos"]` are the kept videos.
-    `force` rewrites a finished output from scratch.
-
-    Raises `StorageError` (one line naming the URI) when the source, manifest or
-    output cannot be reached, and `IngestError` when more than
-    `max_reject_fraction` of the objects are rejected.
-    """
+    """Run (or resume, or skip) the video ingest (`result.counts["videos"]`: the kept videos); errors as
+    `run_sharded_ingest` raises them."""
     return run_sharded_ingest(config, VIDEOS, force=force)
 
 
 def process_video_shard(plan: dict[str, Any], config: VideoIngestConfig, source: Store, out: Store) -> dict[str, Any]:
-    """Decode and write one planned shard of videos (or reuse it when already written for this plan)."""
+    """Decode and write one planned shard of videos; returns its summary (the engine reuses one already written)."""
     key = plan["key"]
-    existing = shards.existing_summary(out, key, plan["fingerprint"])
-    if existing is not None and reusable(existing):
-        return existing
-
     kept: dict[str, list[Any]] = {k: [] for k in ("frames", "indices", "fps", "keys", "labels", "splits", "names")}
     source_frames: list[int] = []
     fixed = 0
