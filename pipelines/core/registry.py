@@ -143,6 +143,17 @@ def download_checkpoint(artifact_uri: str, dst: str | Path, tracking_uri: str | 
     import mlflow
 
     dst = Path(dst)
+    # A missing file is named from the listing: downloading it would fail only after the client's
+    # retries with backoff (minutes against an mlflow server).
+    try:
+        listed = mlflow.artifacts.list_artifacts(artifact_uri=artifact_uri, tracking_uri=tracking_uri)
+    except (mlflow.exceptions.MlflowException, OSError) as err:
+        cause = " ".join(str(err).split())[:200]
+        raise ValueError(f"{artifact_uri} is not a vit checkpoint directory ({cause})") from None
+    present = {Path(entry.path).name for entry in listed if not entry.is_dir}
+    missing = [name for name in CHECKPOINT_FILES if name not in present]
+    if missing:
+        raise ValueError(f"{artifact_uri} is not a vit checkpoint directory (no {missing[0]})")
     for name in CHECKPOINT_FILES:
         uri = f"{artifact_uri.rstrip('/')}/{name}"
         with tempfile.TemporaryDirectory() as tmp:
