@@ -1,14 +1,17 @@
 """Training-step throughput of our ViT against Hugging Face's and timm's: CPU or CUDA, eager or compiled.
 
-The lead's one run on a lent GPU (ViT-B/16 at 224, batch 256, bf16 autocast, fused AdamW; about 3 minutes,
-two `torch.compile`s of about a minute each; `wall_s` in the JSON says how long it took):
+The one run on a lent GPU (ViT-B/16 at 224, batch 256, bf16 autocast, fused AdamW; 3 to 4 minutes: two
+`torch.compile`s of about a minute each, then the variants while they fit in `--budget-s` 230; `wall_s` in
+the JSON says how long it took):
 
-    PYTHONPATH=. python benchmarks/vit_train_step.py --device cuda --compile both --json
+    PYTHONPATH=. python benchmarks/vit_train_step.py --device cuda --compile both \
+        --variant cudnn-attention --variant cudagraphs --json
 
 It prints img/s and MFU of ours and timm's `vit_base_patch16_224` (each eager and compiled), Hugging Face's
 ViT (eager), the measured bf16 matmul peak and the ratio ours/timm compiled. `--variant NAME` (repeatable)
 adds one more compiled entry of our model per idea to judge on the GPU (see VARIANTS; each costs one more
-compile, skipped with a note when it would run past `--budget-s`).
+compile and is skipped, with a note in the JSON, when it would end the run past `--budget-s`). The slow
+`autotune` variant wants a run of its own: `--compile only --models ours,timm --variant autotune --budget-s 550`.
 
 On CPU (fp32 and bf16 against Hugging Face's ViT, as before):
 
