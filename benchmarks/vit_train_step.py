@@ -436,8 +436,11 @@ def graph_breaks(entry: Entry, images: torch.Tensor) -> dict[str, object]:
     `torch._dynamo.explain` resets dynamo, so this runs before anything is compiled.
     """
     call = call_hf if entry.kind == "hf" else call_images
-    with torch.autocast(images.device.type, dtype=torch.bfloat16):
-        out = torch._dynamo.explain(call)(entry.model, images)
+    try:
+        with torch.autocast(images.device.type, dtype=torch.bfloat16):
+            out = torch._dynamo.explain(call)(entry.model, images)
+    except Exception as err:  # a look that fails leaves the entry to be measured all the same
+        return {"graph_breaks_error": failure(err)}
     return {"graphs": out.graph_count, "graph_breaks": out.graph_break_count,
             "break_reasons": [str(r.reason)[:200] for r in out.break_reasons[:3]]}
 
