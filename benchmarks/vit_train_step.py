@@ -477,7 +477,10 @@ def warm_entry(entry: Entry, images, labels, warmup: int, timed) -> None:
         model = entry.model
         if entry.compiled:
             entry.info["compile_mode"] = options.get("mode", "default")
-            model = torch.compile(model, mode=options.get("mode"))
+            # Dynamo reuses a graph compiled for an equal backend, and the pinned attention kernel is chosen
+            # while tracing: dynamic=False (the same as the default for these fixed shapes) makes the backend
+            # unequal to the plain entry's, so the pinned entry is traced afresh under its kernel.
+            model = torch.compile(model, mode=options.get("mode"), dynamic=False if "sdpa" in options else None)
         step = make_step(model, entry.kind == "hf", torch.bfloat16, images, labels)
         if "sdpa" in options:
             step = pin_sdpa(step, options["sdpa"])
