@@ -61,7 +61,7 @@ def _forward(name: str, q, k, v, global_mask):
         import copy
 
         radius, n = WINDOW // 2, q.shape[2]
-        block_mask = copy.copy(_cached_block_mask(n, radius, 1, q.device))
+        block_mask = copy.copy(_cached_block_mask(n, radius, 1, 0, q.device))
         block_mask.mask_mod = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= radius
         compiled = _compiled_flex()
         return lambda: compiled(q, k, v, block_mask=block_mask)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from tests.test_longformer_attention import dense_reference, hf_pair, make_case, run_hf
-from vit.attention import sliding_window_attention
+from vit.attention import global_positions, sliding_window_attention
 from vit.flex_longformer import BLOCK, band_block_mask, choose_kernel, from_classes, to_classes
 from vit.longformer import LongformerSelfAttention
 
@@ -62,35 +63,49 @@ def test_flex_module_equals_hugging_face_longformer_self_attention(dtype, tolera
 
 def _effective_mask(block_mask: BlockMask, batch: int) -> torch.Tensor:
     """What a block-sparse kernel computes with: full blocks entirely, partial blocks through the
-    mask_mod, nothing elsewhere. `(B, L, L)` bool."""
-    length = block_mask.seq_lengths[0]
+    mask_mod, nothing elsewhere. `(B, Lq, Lk)` bool."""
+    q_len, kv_len = block_mask.seq_lengths
     partial_or_full = block_mask.to_dense().bool()
     full = BlockMask.from_kv_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
                                     BLOCK_SIZE=BLOCK).to_dense().bool()
 
-    def spread(blocks):  # (B', 1, Qb, Kb) -> (B, L, L)
+    def spread(blocks):  # (B', 1, Qb, Kb) -> (B, Lq, Lk)
         return blocks[:, 0].repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2).expand(batch, -1, -1)
 
-    idx = torch.arange(length)
-    mod = block_mask.mask_mod(torch.arange(batch)[:, None, None], 0, idx[None, :, None], idx[None, None, :])
+    mod = block_mask.mask_mod(torch.arange(batch)[:, None, None], 0, torch.arange(q_len)[None, :, None],
+                              torch.arange(kv_len)[None, None, :])
     return spread(full) | (spread(partial_or_full) & ~spread(full) & mod)
 
 
+def _token_order(mask: torch.Tensor, n: int, dilation: int, keys_too: bool) -> torch.Tensor:
+    """`(B, Lq, Lk)` over regrouped slots -> token order on the query axis (and the key axis)."""
+    out = from_classes(mask[:, None].float(), n, dilation)[:, 0]
+    if keys_too:
+        out = from_classes(out.transpose(1, 2)[:, None], n, dilation)[:, 0].transpose(1, 2)
+    return out.int()
+
+
 @pytest.mark.parametrize("n, radius, dilation", [(300, 2, 1), (300, 64, 1), (500, 130, 2), (400, 20, 3)])
-def test_the_block_mask_alone_describes_the_band_and_the_padding(n, radius, dilation):
+def test_the_block_mask_alone_gives_each_query_its_band_and_the_global_keys_once(n, radius, dilation):
     pad = torch.zeros(2, n, dtype=torch.bool)
     pad[0, n - 90:] = True
     pad[1, 100:260] = True  # wider than a block: a whole full block of keys becomes padding
+    is_global = torch.zeros(2, n, dtype=torch.bool)
+    is_global[0, [0, 5, 150]] = is_global[1, n - 1] = True  # some inside each other's band
+    pos, valid = global_positions(is_global)
+    prefix_pos, prefix_ok = F.pad(pos, (0, BLOCK - pos.shape[1])), F.pad(valid, (0, BLOCK - pos.shape[1]))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    band = ((j - i).abs() <= radius * dilation) & ((j - i) % dilation == 0)
     for padding in (None, pad):
         not_pad = torch.ones(2, n, dtype=torch.bool) if padding is None else ~padding
         key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
-        got = _effective_mask(band_block_mask(n, radius, dilation, key_ok, padding=padding is not None), 2)
-        # Back to token order, both axes, and compare with the definition.
-        got = from_classes(got[:, None].float(), n, dilation)[:, 0]
-        got = from_classes(got.transpose(1, 2)[:, None], n, dilation)[:, 0].transpose(1, 2).bool()
-        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-        band = ((j - i).abs() <= radius * dilation) & ((j - i) % dilation == 0)
-        assert torch.equal(got, band[None] & not_pad[:, None, :])
+        block_mask = band_block_mask(n, radius, dilation, key_ok, padding is not None, prefix_pos, prefix_ok)
+        seen = _effective_mask(block_mask, 2)  # (B, slots, BLOCK global slots + slots)
+        times = _token_order(seen[:, :, BLOCK:], n, dilation, keys_too=True)
+        global_slots = _token_order(seen[:, :, :BLOCK], n, dilation, keys_too=False)
+        times.scatter_add_(2, prefix_pos[:, None, :].expand(-1, n, -1), global_slots)
+        want = (band[None] | is_global[:, None, :]) & not_pad[:, None, :]
+        assert torch.equal(times, want.int())  # every key it should see exactly once, no other
 
 
 def test_the_block_mask_keeps_only_blocks_near_the_diagonal():
@@ -103,7 +118,7 @@ def test_the_block_mask_keeps_only_blocks_near_the_diagonal():
 
 
 def test_the_block_mask_of_one_shape_is_built_once():
-    key_ok = torch.ones(1, 1000, dtype=torch.bool)
+    key_ok = torch.ones(1, 1024, dtype=torch.bool)
     first = band_block_mask(1000, 16, 2, key_ok, padding=False)
     second = band_block_mask(1000, 16, 2, key_ok, padding=False)
     assert first.kv_indices is second.kv_indices

@@ -6,11 +6,12 @@ hidden), on `(B, heads, N, head_dim)` tensors:
 1. Dilation d: query i only meets keys j with i ≡ j (mod d). Regrouping the sequence by residue
    class (token i goes to slot (i mod d)·m + i // d, m = ceil(N / d)) makes each class a plain,
    undilated window of radius r, so the block mask is as sparse as an undilated one.
-2. Band pass: `flex_attention` over the regrouped sequence with a block mask (kept per
-   (N, r, d, device)) and a mask_mod for class edges and padding; it also returns the logsumexp.
-3. Global keys: every query against the G global keys outside its own band (N·G scores, small).
-4. The two softmaxes merge exactly through their logsumexps: with w = σ(l_band - l_global),
-   out = w·o_band + (1 - w)·P_global·V_global.
+2. The G global keys go in front of the regrouped keys, zero-padded to one block (or a few): one
+   extra key block per query block, where the mask_mod keeps the global keys outside the query's
+   own band (inside it, the query already meets them as band keys).
+3. One `flex_attention` call: the block structure is built once per (N, r, d, prefix, device) and
+   cached; padding only demotes the key blocks that hold it from full to partial, per call, and
+   the mask_mod checks class edges, the radius, padding and the global slots.
 
 FlexAttention has no attention dropout: this path is only taken when dropout is off. On CUDA the
 kernel is `torch.compile(flex_attention, dynamic=False)`, compiled once per shape; elsewhere the
@@ -24,9 +25,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
-
-from vit.seqmatmul import long_times_small
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = ["BLOCK", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention", "band_block_mask", "to_classes",
            "from_classes"]
@@ -93,11 +92,24 @@ def _original_index(slots: torch.Tensor, m: int, dilation: int) -> torch.Tensor:
     return (slots % m) * dilation + slots // m
 
 
-def _band_mask_mod(key_ok: torch.Tensor, m: int, radius: int):
-    """Same class, within the radius, and a usable key (`key_ok` (B, padded), regrouped)."""
+def _mask_mod(key_ok: torch.Tensor, m: int, radius: int, dilation: int, prefix: int,
+              global_pos: torch.Tensor | None, global_ok: torch.Tensor | None):
+    """Key slots [0, prefix) hold the global keys (`global_pos`/`global_ok` `(B, prefix)`): a query
+    takes those outside its band. Slots past them are the regrouped sequence: same class, within
+    the radius, and a usable key (`key_ok` `(B, padded)`)."""
+
+    def band(b, q_idx, j):
+        return (q_idx // m == j // m) & ((q_idx - j).abs() <= radius) & key_ok[b, j]
+
+    if not prefix:
+        return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx // m == kv_idx // m) & ((q_idx - kv_idx).abs() <= radius) & key_ok[b, kv_idx]
+        # Both branches are evaluated: clamped indices keep the unused one in bounds.
+        g = kv_idx.clamp(max=prefix - 1)
+        offset = ((q_idx % m) * dilation + q_idx // m - global_pos[b, g]).abs()
+        outside = (offset > radius * dilation) | (offset % dilation != 0)
+        return torch.where(kv_idx < prefix, global_ok[b, g] & outside, band(b, q_idx, (kv_idx - prefix).clamp(min=0)))
 
     return mask_mod
 
@@ -134,50 +146,48 @@ def _band_blocks(n: int, radius: int, dilation: int, device: torch.device) -> tu
     return partial, full
 
 
+def _with_prefix(partial: torch.Tensor, full: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepend the global-key blocks: partial for every query block (the mask_mod picks the keys)."""
+    if not prefix:
+        return partial, full
+    lead = torch.ones(*partial.shape[:-1], prefix // BLOCK, dtype=torch.bool, device=partial.device)
+    return torch.cat([lead, partial], -1), torch.cat([torch.zeros_like(lead), full], -1)
+
+
 @functools.lru_cache(maxsize=64)
-def _cached_block_mask(n: int, radius: int, dilation: int, device: torch.device) -> BlockMask:
-    partial, full = _band_blocks(n, radius, dilation, device)
-    padded = partial.shape[-1] * BLOCK
+def _cached_block_mask(n: int, radius: int, dilation: int, prefix: int, device: torch.device) -> BlockMask:
+    partial, full = _with_prefix(*_band_blocks(n, radius, dilation, device), prefix)
     return BlockMask.from_kv_blocks(*(t[None, None] for t in _ordered(partial)),
                                     *(t[None, None] for t in _ordered(full)),
-                                    BLOCK_SIZE=BLOCK, seq_lengths=(padded, padded))
+                                    BLOCK_SIZE=BLOCK, seq_lengths=(partial.shape[0] * BLOCK, partial.shape[1] * BLOCK))
 
 
-def band_block_mask(n: int, radius: int, dilation: int, key_ok: torch.Tensor,
-                    padding: bool) -> BlockMask:
-    """The band's BlockMask over the regrouped sequence; `key_ok` `(B, padded)` says which slots are
-    real, unpadded keys. Without padding the block structure is cached; with it, key blocks holding
-    padding are demoted from full to partial for that sequence, so the mask_mod sees them."""
+def band_block_mask(n: int, radius: int, dilation: int, key_ok: torch.Tensor, padding: bool,
+                    global_pos: torch.Tensor | None = None, global_ok: torch.Tensor | None = None) -> BlockMask:
+    """The BlockMask over [global keys, regrouped sequence]: `key_ok` `(B, padded)` says which
+    regrouped slots are real, unpadded keys; `global_pos`/`global_ok` `(B, prefix)` (a whole number
+    of blocks, None: no global keys) which global keys each sequence has. Without padding the block
+    structure is cached per shape; with it, key blocks holding padding are demoted from full to
+    partial for that sequence, so the mask_mod sees them."""
+    prefix = 0 if global_pos is None else global_pos.shape[1]
     if not padding:
-        block_mask = copy.copy(_cached_block_mask(n, radius, dilation, key_ok.device))
+        block_mask = copy.copy(_cached_block_mask(n, radius, dilation, prefix, key_ok.device))
     else:
         partial, full = _band_blocks(n, radius, dilation, key_ok.device)
         dirty = ~key_ok.reshape(key_ok.shape[0], 1, -1, BLOCK).all(-1)  # (B, 1, Kb)
-        full_b = full & ~dirty
-        partial_b = partial | (full & dirty)
-        block_mask = BlockMask.from_kv_blocks(*(t[:, None] for t in _ordered(partial_b)),
-                                              *(t[:, None] for t in _ordered(full_b)),
-                                              BLOCK_SIZE=BLOCK, seq_lengths=(key_ok.shape[1],) * 2)
-    block_mask.mask_mod = _band_mask_mod(key_ok, _layout(n, dilation)[0], radius)
+        partial, full = _with_prefix(partial | (full & dirty), full & ~dirty, prefix)
+        block_mask = BlockMask.from_kv_blocks(*(t[:, None] for t in _ordered(partial)),
+                                              *(t[:, None] for t in _ordered(full)), BLOCK_SIZE=BLOCK,
+                                              seq_lengths=(key_ok.shape[1], key_ok.shape[1] + prefix))
+    block_mask.mask_mod = _mask_mod(key_ok, _layout(n, dilation)[0], radius, dilation, prefix, global_pos, global_ok)
     return block_mask
 
 
-def _global_keys_pass(qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pos: torch.Tensor,
-                      valid: torch.Tensor, radius: int, dilation: int, n: int,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the regrouped queries against the global keys outside their band: returns the
-    probabilities `(B, H, padded, G)` and their logsumexp `(B, H, padded)` (at least fp32)."""
-    m, padded = _layout(n, dilation)
-    batch = torch.arange(k.shape[0], device=k.device)[:, None]
-    k_g = k[batch, :, pos].transpose(1, 2)  # (B, H, G, D)
-    origin = _original_index(torch.arange(padded, device=k.device), m, dilation)
-    offset = origin[None, :, None] - pos[:, None, :]  # (B, padded, G)
-    in_band = (offset.abs() <= radius * dilation) & (offset % dilation == 0)
-    usable = valid[:, None, :] & ~in_band
-    acc = torch.promote_types(qc.dtype, torch.float32)  # softmax in at least fp32
-    scores = long_times_small(qc, k_g.transpose(-1, -2)).to(acc) * scale
-    scores = scores.masked_fill(~usable[:, None], torch.finfo(acc).min)
-    return scores.softmax(-1), scores.logsumexp(-1)
+def _global_prefix(x: torch.Tensor, xc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[the global tokens' rows of x `(B, H, N, D)`, zero-padded to whole blocks; xc]."""
+    batch = torch.arange(x.shape[0], device=x.device)[:, None]
+    rows = x[batch, :, pos].transpose(1, 2)  # (B, H, G, D)
+    return torch.cat([F.pad(rows, (0, 0, 0, -pos.shape[1] % BLOCK)), xc], dim=2)
 
 
 def flex_band_attention(
@@ -198,29 +208,20 @@ def flex_band_attention(
     `vit.attention.global_positions`): the global keys every query sees besides its band. Rows of
     global or padding tokens come out finite but meaningless: the caller overwrites or zeroes them.
     """
-    bsz, _, n, dim = q.shape
-    scale = dim**-0.5 if scale is None else scale
-    m, padded = _layout(n, dilation)
+    bsz, _, n, _ = q.shape
+    m, _ = _layout(n, dilation)
     radius = min(radius, max(m - 1, 0))  # a radius past the sequence adds nothing
     padding = not_pad is not None
     qc, kc, vc = (to_classes(t, dilation) for t in (q, k, v))
     if not_pad is None:
         not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device)
     key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
-    block_mask = band_block_mask(n, radius, dilation, key_ok, padding=padding)
-    attend = _flex(q.device)
-    has_globals = global_pos is not None and global_pos.shape[1] > 0
-    if not has_globals:
-        out = attend(qc, kc, vc, block_mask=block_mask, scale=scale)
-        return from_classes(out, n, dilation)
-    out, aux = attend(qc, kc, vc, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
-    probs, lse_global = _global_keys_pass(qc, k, v, pos=global_pos, valid=global_valid, radius=radius,
-                                          dilation=dilation, n=n, scale=scale)
-    # A row whose band is all padding has lse -inf; a finite floor keeps the merge (and its gradient) NaN-free.
-    lse_band = aux.lse.to(lse_global.dtype).clamp(min=torch.finfo(lse_global.dtype).min)
-    w = torch.sigmoid(lse_band - lse_global)[..., None]  # (B, H, padded, 1)
-    batch = torch.arange(bsz, device=q.device)[:, None]
-    v_g = v[batch, :, global_pos].transpose(1, 2)  # (B, H, G, D)
-    merged = long_times_small((probs * (1 - w)).to(v.dtype), v_g)
-    merged.addcmul_(out, w.to(out.dtype))  # in place: no second N-sized buffer
-    return from_classes(merged, n, dilation)
+    if global_pos is not None and global_pos.shape[1] > 0:
+        kc, vc = (_global_prefix(t, tc, global_pos) for t, tc in ((k, kc), (v, vc)))
+        extra = -global_pos.shape[1] % BLOCK
+        global_pos, global_valid = F.pad(global_pos, (0, extra)), F.pad(global_valid, (0, extra), value=False)
+    else:
+        global_pos = global_valid = None
+    block_mask = band_block_mask(n, radius, dilation, key_ok, padding, global_pos, global_valid)
+    out = _flex(q.device)(qc, kc, vc, block_mask=block_mask, scale=scale)
+    return from_classes(out, n, dilation)
