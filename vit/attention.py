@@ -36,6 +36,7 @@ __all__ = [
     "check_window",
     "check_dilation",
     "global_positions",
+    "find_globals",
     "local_attention",
     "band_attention",
     "global_rows_attention",
@@ -77,7 +78,8 @@ def global_positions(global_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
     Returns `(pos, valid)`, both `(B, G)` with G the largest count in the batch:
     `pos[b, g]` is the g-th global position of sequence b (in order) and
-    `valid[b, g]` says whether that slot is real or filler for shorter rows.
+    `valid[b, g]` says whether that slot is real or filler for shorter rows (filler slots
+    hold other positions of that row, so all of a row's positions are distinct).
     """
     counts = global_mask.sum(dim=1)
     num = int(counts.max()) if global_mask.numel() else 0
@@ -86,6 +88,16 @@ def global_positions(global_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     pos = order[:, :num]
     valid = torch.arange(num, device=global_mask.device)[None, :] < counts[:, None]
     return pos, valid
+
+
+def find_globals(global_mask: torch.Tensor | None, not_pad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """`(is_global, pos, valid)` for the tokens global and not padding (see `global_positions`),
+    or three Nones when there are none. Costs one device sync (the count)."""
+    if global_mask is None:
+        return None, None, None
+    is_global = global_mask & not_pad
+    pos, valid = global_positions(is_global)
+    return (None, None, None) if pos.shape[1] == 0 else (is_global, pos, valid)
 
 
 def _mask_value(dtype: torch.dtype) -> float:
@@ -202,9 +214,13 @@ def global_rows_attention(
 
 
 def scatter_rows(out: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Write `rows[b, g]` over `out[b, pos[b, g]]` where `valid[b, g]` (out-of-place)."""
-    b_idx, g_idx = valid.nonzero(as_tuple=True)
-    return out.index_put((b_idx, pos[b_idx, g_idx]), rows[b_idx, g_idx].to(out.dtype))
+    """Write `rows[b, g]` over `out[b, pos[b, g]]` where `valid[b, g]` (out-of-place).
+
+    Slots that are not valid write back what is there: `global_positions` gives each sequence
+    distinct positions, so no write collides, and no device sync is needed to drop them."""
+    batch = torch.arange(out.shape[0], device=out.device)[:, None]
+    keep = valid.reshape(*valid.shape, *(1,) * (rows.dim() - 2))
+    return out.index_put((batch.expand_as(pos), pos), torch.where(keep, rows.to(out.dtype), out[batch, pos]))
 
 
 def band_attention(
@@ -298,11 +314,7 @@ def sliding_window_attention(
     # Work sequence-major, (B, N, H, D): blocks then need no transposes of their own.
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
     not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device) if padding_mask is None else ~padding_mask
-    is_global = None if global_mask is None else global_mask & not_pad
-    if is_global is not None and not bool(is_global.any()):
-        is_global = None
-
-    pos, valid = (None, None) if is_global is None else global_positions(is_global)
+    is_global, pos, valid = find_globals(global_mask, not_pad)
     out = band_attention(qs, ks, vs, radius=radius, dilation=dilation, padding_mask=padding_mask, is_global=is_global,
                          global_pos=pos, global_valid=valid, dropout_p=dropout_p, scale=scale, kernel=kernel)
     if is_global is not None:

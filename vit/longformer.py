@@ -17,7 +17,7 @@ from vit.attention import (
     band_attention,
     check_dilation,
     check_window,
-    global_positions,
+    find_globals,
     global_rows_attention,
     scatter_rows,
 )
@@ -140,11 +140,8 @@ class LongformerSelfAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
 
         not_pad = torch.ones(bsz, n, dtype=torch.bool, device=x.device) if padding_mask is None else ~padding_mask
-        is_global = None if global_mask is None else global_mask & not_pad
-        if is_global is not None and not bool(is_global.any()):
-            is_global = None
+        is_global, pos, valid = find_globals(global_mask, not_pad)
         probs = None
-        pos, valid = (None, None) if is_global is None else global_positions(is_global)
         out = band_attention(q, k, v, radius=self.radius, dilation=self.dilation, padding_mask=padding_mask,
                              is_global=is_global, global_pos=pos, global_valid=valid, dropout_p=p,
                              kernel=self.kernel)
