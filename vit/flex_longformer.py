@@ -73,8 +73,9 @@ def to_classes(x: torch.Tensor, dilation: int) -> torch.Tensor:
     bsz, heads, n, dim = x.shape
     m, padded = _layout(n, dilation)
     if dilation > 1:
-        x = F.pad(x, (0, 0, 0, m * dilation - n)).view(bsz, heads, m, dilation, dim)
-        x = x.transpose(2, 3).reshape(bsz, heads, m * dilation, dim)
+        if m * dilation > n:
+            x = F.pad(x, (0, 0, 0, m * dilation - n))
+        x = x.unflatten(2, (m, dilation)).transpose(2, 3).reshape(bsz, heads, m * dilation, dim)
     return F.pad(x, (0, 0, 0, padded - x.shape[2])) if padded > x.shape[2] else x
 
 
