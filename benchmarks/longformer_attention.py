@@ -226,7 +226,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: attention alone in bf16, banded against FlexAttention and flash (longformer_cuda.py)")
+                        help="cuda: attention alone in bf16 on a GPU (see longformer_cuda.py)")
     parser.add_argument("--budget-s", type=float, default=140.0, help="cuda: rows not started by then are skipped")
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and memory against N")
