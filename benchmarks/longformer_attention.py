@@ -1,6 +1,7 @@
 """Forward+backward time and peak memory of three self-attention modules against N.
 
     python benchmarks/longformer_attention.py --json [--plot docs/longformer_scaling.png]
+    python benchmarks/longformer_attention.py --device cuda     (GPU mode: see longformer_cuda.py)
 
 - ours:  `vit.longformer.LongformerSelfAttention` (banded kernel; global K/V folded, see its docstring)
 - ours_projected: the same module forced to project K_g and V_g over the whole sequence, as HF does
@@ -31,6 +32,7 @@ from pathlib import Path
 
 HIDDEN, HEADS, WINDOW = 768, 12, 256
 IMPLS = ("ours", "ours_projected", "hf", "dense")
+DEFAULT_LENGTHS, DEFAULT_REPS = [1024, 4096, 16384], 3
 # A fixed mmap threshold turns off glibc's adaptive one, so every tensor of 64 KiB or more
 # is its own mapping, returned to the OS when freed: RSS then follows live tensors, and
 # memory freed by the warm-up cannot hide the measured pass's allocations.
@@ -223,10 +225,15 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: attention alone in bf16 on a GPU (see longformer_cuda.py)")
+    parser.add_argument("--budget-s", type=float, default=140.0, help="cuda: rows not started by then are skipped")
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and memory against N")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--reps", type=int, default=3, help="timed passes per row (fastest and median reported)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS,
+                        help="sequence lengths (cuda default: 4096 16384 65536)")
+    parser.add_argument("--reps", type=int, default=DEFAULT_REPS,
+                        help="timed passes per row (fastest and median reported; cuda default: 10)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a row is given up")
     parser.add_argument("--replot", metavar="JSON", help="only redraw --plot from a saved --json result")
     parser.add_argument("--memory-row", nargs=3, metavar=("IMPL", "DTYPE", "N"), help=argparse.SUPPRESS)
@@ -234,6 +241,12 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.device == "cuda":
+        from longformer_cuda import main as cuda_main
+
+        cuda_main(args.lengths if args.lengths != DEFAULT_LENGTHS else [4096, 16384, 65536],
+                  args.reps if args.reps != DEFAULT_REPS else 10, args.budget_s)
+        return
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot PATH")

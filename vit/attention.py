@@ -28,12 +28,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vit.flex_longformer import choose_kernel, flex_band_attention
+from vit.seqmatmul import long_times_small, small_times_long
+
 __all__ = [
     "sliding_window_attention",
     "check_window",
     "check_dilation",
     "global_positions",
+    "find_globals",
     "local_attention",
+    "band_attention",
     "global_rows_attention",
     "scatter_rows",
 ]
@@ -73,7 +78,8 @@ def global_positions(global_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
     Returns `(pos, valid)`, both `(B, G)` with G the largest count in the batch:
     `pos[b, g]` is the g-th global position of sequence b (in order) and
-    `valid[b, g]` says whether that slot is real or filler for shorter rows.
+    `valid[b, g]` says whether that slot is real or filler for shorter rows (filler slots
+    hold other positions of that row, so all of a row's positions are distinct).
     """
     counts = global_mask.sum(dim=1)
     num = int(counts.max()) if global_mask.numel() else 0
@@ -82,6 +88,16 @@ def global_positions(global_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     pos = order[:, :num]
     valid = torch.arange(num, device=global_mask.device)[None, :] < counts[:, None]
     return pos, valid
+
+
+def find_globals(global_mask: torch.Tensor | None, not_pad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """`(is_global, pos, valid)` for the tokens global and not padding (see `global_positions`),
+    or three Nones when there are none. Costs one device sync (the count)."""
+    if global_mask is None:
+        return None, None, None
+    is_global = global_mask & not_pad
+    pos, valid = global_positions(is_global)
+    return (None, None, None) if pos.shape[1] == 0 else (is_global, pos, valid)
 
 
 def _mask_value(dtype: torch.dtype) -> float:
@@ -187,18 +203,60 @@ def global_rows_attention(
     scale = q_g.shape[-1] ** -0.5 if scale is None else scale
     # Softmax in at least fp32; these rows are few, so this is cheap.
     acc = torch.promote_types(q_g.dtype, torch.float32)
-    scores = torch.einsum("bghd,bnhd->bhgn", q_g, k_g).to(acc) * scale
+    # Both products reduce over N (forward or backward): `vit.seqmatmul` splits them along N.
+    scores = long_times_small(k_g.transpose(1, 2), q_g.permute(0, 2, 3, 1)).transpose(-1, -2)
+    scores = scores.to(acc) * scale
     scores = scores.masked_fill(~key_ok[:, None, None, :], _mask_value(acc))
     probs = scores.softmax(dim=-1)
     dropped = F.dropout(probs, p=dropout_p, training=training).to(v_g.dtype)
-    out = torch.einsum("bhgn,bnhd->bghd", dropped, v_g)
+    out = small_times_long(dropped, v_g.transpose(1, 2)).transpose(1, 2)
     return out, probs
 
 
 def scatter_rows(out: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Write `rows[b, g]` over `out[b, pos[b, g]]` where `valid[b, g]` (out-of-place)."""
-    b_idx, g_idx = valid.nonzero(as_tuple=True)
-    return out.index_put((b_idx, pos[b_idx, g_idx]), rows[b_idx, g_idx].to(out.dtype))
+    """Write `rows[b, g]` over `out[b, pos[b, g]]` where `valid[b, g]` (out-of-place).
+
+    Slots that are not valid write back what is there: `global_positions` gives each sequence
+    distinct positions, so no write collides, and no device sync is needed to drop them."""
+    batch = torch.arange(out.shape[0], device=out.device)[:, None]
+    keep = valid.reshape(*valid.shape, *(1,) * (rows.dim() - 2))
+    return out.index_put((batch.expand_as(pos), pos), torch.where(keep, rows.to(out.dtype), out[batch, pos]))
+
+
+def band_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    radius: int,
+    dilation: int,
+    padding_mask: torch.Tensor | None,
+    is_global: torch.Tensor | None,
+    global_pos: torch.Tensor | None,
+    global_valid: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Every row's band plus the global keys, `(B, N, H, D)` in and out, on the kernel that
+    `choose_kernel` picks. `padding_mask` (B, N) is True at padding (None: no padding); `is_global`
+    (B, N) and `global_pos`/`global_valid` (from `global_positions`) are None when no token is
+    global. Rows of global and padding tokens are not final."""
+    not_pad = None if padding_mask is None else ~padding_mask
+    if choose_kernel(kernel, q.device, dropout_p) == "flex":
+        out = flex_band_attention(*(t.transpose(1, 2) for t in (q, k, v)), radius=radius, dilation=dilation,
+                                  not_pad=not_pad, global_pos=global_pos, global_valid=global_valid, scale=scale)
+        return out.transpose(1, 2)
+    if not_pad is None:
+        not_pad = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
+    if is_global is None:
+        return local_attention(q, k, v, radius=radius, dilation=dilation, key_ok=not_pad, dropout_p=dropout_p,
+                               scale=scale)
+    # The banded kernel appends the global keys to every block, so the band itself skips them.
+    batch = torch.arange(q.shape[0], device=q.device)[:, None]
+    return local_attention(q, k, v, radius=radius, dilation=dilation, key_ok=not_pad & ~is_global,
+                           global_k=k[batch, global_pos], global_v=v[batch, global_pos], global_ok=global_valid,
+                           dropout_p=dropout_p, scale=scale)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, global_mask: torch.Tensor | None,
@@ -232,6 +290,7 @@ def sliding_window_attention(
     padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Longformer attention on `(B, heads, N, head_dim)` tensors, in O(N·window).
 
@@ -244,6 +303,8 @@ def sliding_window_attention(
       zero) and nothing attends to it. Padding wins over global.
     - `dropout_p` is applied to the attention probabilities (pass 0 in eval).
     Scores are scaled by `scale` (default 1/sqrt(head_dim)).
+    - `kernel`: "banded" (this module's blocks), "flex" (`vit.flex_longformer`, block-sparse
+      FlexAttention; no dropout) or "auto" (flex on CUDA without dropout, else banded).
     """
     radius = check_window(window)
     dilation = check_dilation(dilation)
@@ -253,21 +314,11 @@ def sliding_window_attention(
     # Work sequence-major, (B, N, H, D): blocks then need no transposes of their own.
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
     not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device) if padding_mask is None else ~padding_mask
-    is_global = None if global_mask is None else global_mask & not_pad
-    if is_global is not None and not bool(is_global.any()):
-        is_global = None
-
-    if is_global is None:
-        out = local_attention(qs, ks, vs, radius=radius, dilation=dilation, key_ok=not_pad,
-                              dropout_p=dropout_p, scale=scale)
-    else:
-        pos, valid = global_positions(is_global)
+    is_global, pos, valid = find_globals(global_mask, not_pad)
+    out = band_attention(qs, ks, vs, radius=radius, dilation=dilation, padding_mask=padding_mask, is_global=is_global,
+                         global_pos=pos, global_valid=valid, dropout_p=dropout_p, scale=scale, kernel=kernel)
+    if is_global is not None:
         batch = torch.arange(bsz, device=q.device)[:, None]
-        out = local_attention(
-            qs, ks, vs, radius=radius, dilation=dilation, key_ok=not_pad & ~is_global,
-            global_k=ks[batch, pos], global_v=vs[batch, pos], global_ok=valid,
-            dropout_p=dropout_p, scale=scale,
-        )
         gq, gk, gv = (qs, ks, vs) if global_qkv is None else (t.transpose(1, 2) for t in global_qkv)
         rows, _ = global_rows_attention(gq[batch, pos], gk, gv, key_ok=not_pad, dropout_p=dropout_p,
                                         training=dropout_p > 0, scale=scale)

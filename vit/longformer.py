@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit.attention import (
+    band_attention,
     check_dilation,
     check_window,
-    global_positions,
+    find_globals,
     global_rows_attention,
-    local_attention,
     scatter_rows,
 )
+from vit.flex_longformer import check_kernel
+from vit.seqmatmul import long_times_small, small_times_long
 
 __all__ = ["LongformerConfig", "LongformerSelfAttention", "LongformerLayer", "LongformerEncoder"]
 
@@ -46,6 +48,7 @@ class LongformerConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-6
     init_std: float = 0.02
+    kernel: str = "auto"
     windows: list[int] = field(init=False, repr=False)
     dilations: list[int] = field(init=False, repr=False)
 
@@ -67,6 +70,7 @@ class LongformerConfig:
             check_window(w)
         for d in self.dilations:
             check_dilation(d)
+        check_kernel(self.kernel)
 
 
 class LongformerSelfAttention(nn.Module):
@@ -77,10 +81,13 @@ class LongformerSelfAttention(nn.Module):
     whole sequence: q_g·K_gᵀ = (q_g·W_k)·Xᵀ + q_g·b_k and P·V_g = (P·X)·W_vᵀ + b_v·ΣP,
     which is exact and costs O(G·N·C) instead of O(N·C²). `fold_global_kv`
     forces that choice (True/False) instead of deciding by size (None).
+
+    `kernel` picks the band's kernel (see `vit.attention.sliding_window_attention`): "auto" runs
+    block-sparse FlexAttention on CUDA when attention dropout is off (eval, or `attn_dropout=0`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, window: int, dilation: int = 1,
-                 attn_dropout: float = 0.0, fold_global_kv: bool | None = None) -> None:
+                 attn_dropout: float = 0.0, fold_global_kv: bool | None = None, kernel: str = "auto") -> None:
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} must be a positive multiple of num_heads {num_heads}")
@@ -91,6 +98,7 @@ class LongformerSelfAttention(nn.Module):
         self.head_dim = hidden_size // num_heads
         self.attn_dropout = attn_dropout
         self.fold_global_kv = fold_global_kv
+        self.kernel = check_kernel(kernel)
         self.query = nn.Linear(hidden_size, hidden_size)
         self.key = nn.Linear(hidden_size, hidden_size)
         self.value = nn.Linear(hidden_size, hidden_size)
@@ -132,17 +140,13 @@ class LongformerSelfAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
 
         not_pad = torch.ones(bsz, n, dtype=torch.bool, device=x.device) if padding_mask is None else ~padding_mask
-        is_global = None if global_mask is None else global_mask & not_pad
+        is_global, pos, valid = find_globals(global_mask, not_pad)
         probs = None
-        if is_global is None or not bool(is_global.any()):
-            out = local_attention(q, k, v, radius=self.radius, dilation=self.dilation, key_ok=not_pad, dropout_p=p)
-        else:
-            pos, valid = global_positions(is_global)
+        out = band_attention(q, k, v, radius=self.radius, dilation=self.dilation, padding_mask=padding_mask,
+                             is_global=is_global, global_pos=pos, global_valid=valid, dropout_p=p,
+                             kernel=self.kernel)
+        if is_global is not None:
             batch = torch.arange(bsz, device=x.device)[:, None]
-            out = local_attention(
-                q, k, v, radius=self.radius, dilation=self.dilation, key_ok=not_pad & ~is_global,
-                global_k=k[batch, pos], global_v=v[batch, pos], global_ok=valid, dropout_p=p,
-            )
             q_g = self.query_global(x[batch, pos]).view(bsz, -1, heads, dim)
             fold = q_g.shape[1] * heads < width if self.fold_global_kv is None else self.fold_global_kv
             if fold:
@@ -167,13 +171,14 @@ class LongformerSelfAttention(nn.Module):
         acc = torch.promote_types(x.dtype, torch.float32)
         q_k = torch.einsum("bghd,hdc->bhgc", q_g, w_k).reshape(bsz, heads * num_global, width)
         q_b = torch.einsum("bghd,hd->bhg", q_g, self.key_global.bias.view(heads, dim))
-        # (B, H·G, C) @ (B, C, N): one bmm per sequence, x is never copied per head.
-        scores = torch.bmm(q_k, x.transpose(1, 2)).view(bsz, heads, num_global, -1)
+        # (B, H·G, C) @ (B, C, N) and (B, H·G, N) @ (B, N, C), split along N (`vit.seqmatmul`);
+        # x is never copied per head.
+        scores = long_times_small(x, q_k.transpose(1, 2)).transpose(1, 2).view(bsz, heads, num_global, -1)
         scores = (scores.to(acc) + q_b[..., None].to(acc)) * dim**-0.5
         scores = scores.masked_fill(~key_ok[:, None, None, :], torch.finfo(acc).min)
         probs = scores.softmax(dim=-1)
         dropped = F.dropout(probs, p=self.attn_dropout, training=self.training)
-        p_x = torch.bmm(dropped.to(x.dtype).view(bsz, heads * num_global, -1), x)
+        p_x = small_times_long(dropped.to(x.dtype).view(bsz, heads * num_global, -1), x)
         rows = torch.einsum("bhgc,hdc->bghd", p_x.view(bsz, heads, num_global, width), w_v)
         rows = rows + dropped.sum(-1).transpose(1, 2)[..., None].to(x.dtype) * self.value_global.bias.view(heads, dim)
         return rows, probs
@@ -187,7 +192,7 @@ class LongformerLayer(nn.Module):
         c = config
         self.norm1 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.attn = LongformerSelfAttention(c.hidden_size, c.num_heads, c.windows[layer], c.dilations[layer],
-                                            c.attn_dropout)
+                                            c.attn_dropout, kernel=c.kernel)
         self.proj = nn.Linear(c.hidden_size, c.hidden_size)
         self.norm2 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.mlp = nn.Sequential(

@@ -1,0 +1,141 @@
+"""Specification of the FlexAttention kernel (`vit.flex_longformer`) of Longformer attention.
+
+On CPU, FlexAttention runs its unfused reference, forward only (it refuses backward there), and it
+evaluates the mask_mod everywhere. So outputs are checked here, in fp32 and bf16, and the block
+mask is checked on its own: the CUDA kernel skips the mask_mod in full blocks and every block the
+mask leaves out, so the block mask alone must already describe the band exactly. Gradients of the
+flex kernel are compared with the banded kernel on a GPU by `benchmarks/longformer_attention.py
+--device cuda`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+from tests.test_longformer_attention import dense_reference, hf_pair, make_case, run_hf
+from vit.attention import global_positions, sliding_window_attention
+from vit.flex_longformer import BLOCK, band_block_mask, choose_kernel, from_classes, to_classes
+from vit.longformer import LongformerSelfAttention
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+
+@pytest.mark.parametrize("dilation", [1, 2, 3])
+def test_flex_output_equals_dense_masked_reference_with_globals_and_padding(dilation):
+    # 30 tokens: one block; 300: three blocks, with a band of partial and full blocks.
+    for n, window in ((30, 4), (300, 64)):
+        for seed, case in enumerate([{"globals_": False, "padding": False}, {"globals_": True, "padding": True}]):
+            (q, k, v), kw = make_case(n, seed=seed, **case)
+            got = sliding_window_attention(q, k, v, window=window, dilation=dilation, kernel="flex", **kw)
+            want = dense_reference(q, k, v, window=window, dilation=dilation, **kw)
+            torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0, msg=f"n={n} {sorted(kw)}")
+
+
+def test_flex_in_bf16_matches_the_fp32_reference_within_bf16_precision():
+    (q, k, v), kw = make_case(300, globals_=True, padding=True, seed=6)
+    want = dense_reference(q, k, v, window=64, dilation=2, **kw).float()
+    kw16 = {**kw, "global_qkv": tuple(t.bfloat16() for t in kw["global_qkv"])}
+    got = sliding_window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=64, dilation=2, kernel="flex",
+                                   **kw16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+# bf16: the projections round too; both kernels differ from Hugging Face's fp32 by about 1% of the largest output.
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_flex_module_equals_hugging_face_longformer_self_attention(dtype, tolerance):
+    n, hidden, heads, window = 384, 24, 4, 64  # Hugging Face needs N to be a multiple of 2·window
+    hf, ours = hf_pair(hidden, heads, window, seed=3)
+    ours.kernel = "flex"
+    x = torch.randn(2, n, hidden, generator=torch.Generator().manual_seed(0))
+    gm = torch.zeros(2, n, dtype=torch.bool)
+    gm[0, [0, 200]] = gm[1, 383] = True
+    pm = torch.zeros(2, n, dtype=torch.bool)
+    pm[1, 250:383] = True  # a padded run, wider than a block, up to the global token at 383
+    with torch.no_grad():
+        want = run_hf(hf, x, gm, pm)
+        got = ours.to(dtype)(x.to(dtype), gm, pm)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
+
+
+def _effective_mask(block_mask: BlockMask, batch: int) -> torch.Tensor:
+    """What a block-sparse kernel computes with: full blocks entirely, partial blocks through the
+    mask_mod, nothing elsewhere. `(B, Lq, Lk)` bool."""
+    q_len, kv_len = block_mask.seq_lengths
+    partial_or_full = block_mask.to_dense().bool()
+    full = BlockMask.from_kv_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                    BLOCK_SIZE=BLOCK).to_dense().bool()
+
+    def spread(blocks):  # (B', 1, Qb, Kb) -> (B, Lq, Lk)
+        return blocks[:, 0].repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2).expand(batch, -1, -1)
+
+    mod = block_mask.mask_mod(torch.arange(batch)[:, None, None], 0, torch.arange(q_len)[None, :, None],
+                              torch.arange(kv_len)[None, None, :])
+    return spread(full) | (spread(partial_or_full) & ~spread(full) & mod)
+
+
+def _token_order(mask: torch.Tensor, n: int, dilation: int, keys_too: bool) -> torch.Tensor:
+    """`(B, Lq, Lk)` over regrouped slots -> token order on the query axis (and the key axis)."""
+    out = from_classes(mask[:, None].float(), n, dilation)[:, 0]
+    if keys_too:
+        out = from_classes(out.transpose(1, 2)[:, None], n, dilation)[:, 0].transpose(1, 2)
+    return out.int()
+
+
+@pytest.mark.parametrize("n, radius, dilation", [(300, 2, 1), (300, 64, 1), (500, 130, 2), (400, 20, 3)])
+def test_the_block_mask_alone_gives_each_query_its_band_and_the_global_keys_once(n, radius, dilation):
+    pad = torch.zeros(2, n, dtype=torch.bool)
+    pad[0, n - 90:] = True
+    pad[1, 100:260] = True  # wider than a block: a whole full block of keys becomes padding
+    is_global = torch.zeros(2, n, dtype=torch.bool)
+    is_global[0, [0, 5, 150]] = is_global[1, n - 1] = True  # some inside each other's band
+    pos, valid = global_positions(is_global)
+    prefix_pos, prefix_ok = F.pad(pos, (0, BLOCK - pos.shape[1])), F.pad(valid, (0, BLOCK - pos.shape[1]))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    band = ((j - i).abs() <= radius * dilation) & ((j - i) % dilation == 0)
+    for padding in (None, pad):
+        not_pad = torch.ones(2, n, dtype=torch.bool) if padding is None else ~padding
+        key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
+        block_mask = band_block_mask(n, radius, dilation, key_ok, padding is not None, prefix_pos, prefix_ok)
+        seen = _effective_mask(block_mask, 2)  # (B, slots, BLOCK global slots + slots)
+        times = _token_order(seen[:, :, BLOCK:], n, dilation, keys_too=True)
+        global_slots = _token_order(seen[:, :, :BLOCK], n, dilation, keys_too=False)
+        times.scatter_add_(2, prefix_pos[:, None, :].expand(-1, n, -1), global_slots)
+        want = (band[None] | is_global[:, None, :]) & not_pad[:, None, :]
+        assert torch.equal(times, want.int())  # every key it should see exactly once, no other
+
+
+def test_the_block_mask_keeps_only_blocks_near_the_diagonal():
+    n, radius = 4096, 256
+    key_ok = torch.ones(1, n, dtype=torch.bool)
+    blocks = band_block_mask(n, radius, 2, key_ok, padding=False).to_dense()
+    q_block, k_block = blocks[0, 0].nonzero(as_tuple=True)
+    assert (q_block - k_block).abs().max() <= -(-radius // BLOCK)
+    assert blocks.sum() <= (n // BLOCK) * (2 * -(-radius // BLOCK) + 1)
+
+
+def test_the_block_mask_of_one_shape_is_built_once():
+    key_ok = torch.ones(1, 1024, dtype=torch.bool)
+    first = band_block_mask(1000, 16, 2, key_ok, padding=False)
+    second = band_block_mask(1000, 16, 2, key_ok, padding=False)
+    assert first.kv_indices is second.kv_indices
+
+
+def test_auto_runs_flex_on_cuda_and_the_banded_kernel_on_cpu_or_with_dropout():
+    assert choose_kernel("auto", torch.device("cpu"), 0.0) == "banded"
+    assert choose_kernel("auto", torch.device("cuda"), 0.0) == "flex"
+    assert choose_kernel("auto", torch.device("cuda"), 0.1) == "banded"
+    assert choose_kernel("flex", torch.device("cpu"), 0.0) == "flex"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: choose_kernel("flex", torch.device("cuda"), 0.1), "kernel 'flex' has no attention dropout"),
+    (lambda: choose_kernel("fast", torch.device("cpu"), 0.0), "kernel must be one of"),
+    (lambda: LongformerSelfAttention(8, 2, 4, kernel="fast"), "kernel must be one of"),
+])
+def test_a_bad_kernel_choice_raises_a_clear_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -1,0 +1,228 @@
+"""Longformer's band on FlexAttention: a block-sparse kernel for the sliding window (the CUDA path).
+
+Computes what `vit.attention.local_attention` computes for every row (band + global keys, padding
+hidden), on `(B, heads, N, head_dim)` tensors:
+
+1. Dilation d: query i only meets keys j with i ≡ j (mod d). Regrouping the sequence by residue
+   class (token i goes to slot (i mod d)·m + i // d, m = ceil(N / d)) makes each class a plain,
+   undilated window of radius r, so the block mask is as sparse as an undilated one.
+2. The G global keys go in front of the regrouped keys, zero-padded to one block (or a few): one
+   extra key block per query block, where the mask_mod keeps the global keys outside the query's
+   own band (inside it, the query already meets them as band keys).
+3. One `flex_attention` call: the block structure is built once per (N, r, d, prefix, device) and
+   cached; padding only demotes the key blocks that hold it from full to partial, per call, and
+   the mask_mod checks class edges, the radius, padding and the global slots.
+
+FlexAttention has no attention dropout: this path is only taken when dropout is off. On CUDA the
+kernel is `torch.compile(flex_attention, dynamic=False)`, compiled once per shape; elsewhere the
+unfused reference (for tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+__all__ = ["BLOCK", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention", "band_block_mask", "to_classes",
+           "from_classes"]
+
+BLOCK = 128  # FlexAttention's sparse block: query and key tiles of 128 tokens
+KERNELS = ("auto", "banded", "flex")
+
+
+def check_kernel(kernel: str) -> str:
+    """Return the kernel name, or raise if it is not one of `KERNELS`."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return kernel
+
+
+def choose_kernel(kernel: str, device: torch.device, dropout_p: float) -> str:
+    """"banded" or "flex" for a requested kernel: "auto" takes flex on CUDA when attention dropout is
+    off (FlexAttention has none), the banded kernel otherwise."""
+    check_kernel(kernel)
+    if kernel == "flex" and dropout_p > 0:
+        raise ValueError(f"kernel 'flex' has no attention dropout; got dropout_p={dropout_p} (use 'banded' or 'auto')")
+    if kernel == "auto":
+        return "flex" if device.type == "cuda" and dropout_p == 0 else "banded"
+    return kernel
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(device: torch.device):
+    # Compiling for CPU builds a C++ kernel for minutes; CPU only runs this path in tests.
+    return _compiled_flex() if device.type == "cuda" else flex_attention
+
+
+def _layout(n: int, dilation: int) -> tuple[int, int]:
+    """(m, padded length): each class holds m slots, the whole is padded to whole blocks."""
+    m = -(-n // dilation)
+    return m, -(-(m * dilation) // BLOCK) * BLOCK
+
+
+def to_classes(x: torch.Tensor, dilation: int) -> torch.Tensor:
+    """`(B, H, N, D)` -> `(B, H, padded, D)`, token i at slot (i mod d)·m + i // d (filler slots zero)."""
+    bsz, heads, n, dim = x.shape
+    m, padded = _layout(n, dilation)
+    if dilation > 1:
+        if m * dilation > n:
+            x = F.pad(x, (0, 0, 0, m * dilation - n))
+        x = x.unflatten(2, (m, dilation)).transpose(2, 3).reshape(bsz, heads, m * dilation, dim)
+    return F.pad(x, (0, 0, 0, padded - x.shape[2])) if padded > x.shape[2] else x
+
+
+def from_classes(x: torch.Tensor, n: int, dilation: int) -> torch.Tensor:
+    """Inverse of `to_classes`: `(B, H, padded, D)` -> `(B, H, N, D)`."""
+    bsz, heads, _, dim = x.shape
+    m, _ = _layout(n, dilation)
+    if dilation > 1:
+        x = x[:, :, : m * dilation].view(bsz, heads, dilation, m, dim).transpose(2, 3)
+        x = x.reshape(bsz, heads, m * dilation, dim)
+    return x[:, :, :n]
+
+
+def _original_index(slots: torch.Tensor, m: int, dilation: int) -> torch.Tensor:
+    return (slots % m) * dilation + slots // m
+
+
+def _mask_mod(key_ok: torch.Tensor, m: int, radius: int, dilation: int, prefix: int,
+              global_pos: torch.Tensor | None, global_ok: torch.Tensor | None):
+    """Key slots [0, prefix) hold the global keys (`global_pos`/`global_ok` `(B, prefix)`): a query
+    takes those outside its band. Slots past them are the regrouped sequence: same class, within
+    the radius, and a usable key (`key_ok` `(B, padded)`)."""
+
+    def band(b, q_idx, j):
+        return (q_idx // m == j // m) & ((q_idx - j).abs() <= radius) & key_ok[b, j]
+
+    if not prefix:
+        return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # Both branches are evaluated: clamped indices keep the unused one in bounds.
+        g = kv_idx.clamp(max=prefix - 1)
+        offset = ((q_idx % m) * dilation + q_idx // m - global_pos[b, g]).abs()
+        outside = (offset > radius * dilation) | (offset % dilation != 0)
+        return torch.where(kv_idx < prefix, global_ok[b, g] & outside, band(b, q_idx, (kv_idx - prefix).clamp(min=0)))
+
+    return mask_mod
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block map `(..., Qb, Kb)` bool -> (count, indices listed first) as FlexAttention stores them."""
+    counts = dense.sum(-1, dtype=torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts, order.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_blocks(n: int, radius: int, dilation: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (query block, key block) pairs are partly (`partial`) or wholly (`full`) in the band,
+    `(Qb, Kb)` bool each, ignoring padding. Only the 2·ceil(r/128)+1 blocks around the diagonal
+    are evaluated, so this costs O(N·r), never O(N²)."""
+    m, padded = _layout(n, dilation)
+    nb = padded // BLOCK
+    side = -(-radius // BLOCK)
+    q_blocks = torch.arange(nb, device=device)
+    k_blocks = q_blocks[:, None] + torch.arange(-side, side + 1, device=device)  # (Qb, S)
+    inside = (k_blocks >= 0) & (k_blocks < nb)
+    t = torch.arange(BLOCK, device=device)
+    q_idx = (q_blocks * BLOCK)[:, None, None, None] + t[:, None]  # (Qb, 1, BLOCK, 1)
+    kv_idx = (k_blocks.clamp(0, nb - 1) * BLOCK)[:, :, None, None] + t  # (Qb, S, 1, BLOCK)
+    key_real = (kv_idx < m * dilation) & (_original_index(kv_idx, m, dilation) < n)
+    allowed = (q_idx // m == kv_idx // m) & ((q_idx - kv_idx).abs() <= radius) & key_real
+    some, every = allowed.flatten(2).any(-1) & inside, allowed.flatten(2).all(-1) & inside
+    rows = q_blocks[:, None].expand_as(k_blocks)[inside]
+    partial = torch.zeros(nb, nb, dtype=torch.bool, device=device)
+    full = torch.zeros(nb, nb, dtype=torch.bool, device=device)
+    partial[rows, k_blocks[inside]] = (some & ~every)[inside]
+    full[rows, k_blocks[inside]] = every[inside]
+    return partial, full
+
+
+def _with_prefix(partial: torch.Tensor, full: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepend the global-key blocks: partial for every query block (the mask_mod picks the keys)."""
+    if not prefix:
+        return partial, full
+    lead = torch.ones(*partial.shape[:-1], prefix // BLOCK, dtype=torch.bool, device=partial.device)
+    return torch.cat([lead, partial], -1), torch.cat([torch.zeros_like(lead), full], -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_block_mask(n: int, radius: int, dilation: int, prefix: int, device: torch.device) -> BlockMask:
+    partial, full = _with_prefix(*_band_blocks(n, radius, dilation, device), prefix)
+    return BlockMask.from_kv_blocks(*(t[None, None] for t in _ordered(partial)),
+                                    *(t[None, None] for t in _ordered(full)),
+                                    BLOCK_SIZE=BLOCK, seq_lengths=(partial.shape[0] * BLOCK, partial.shape[1] * BLOCK))
+
+
+def band_block_mask(n: int, radius: int, dilation: int, key_ok: torch.Tensor, padding: bool,
+                    global_pos: torch.Tensor | None = None, global_ok: torch.Tensor | None = None) -> BlockMask:
+    """The BlockMask over [global keys, regrouped sequence]: `key_ok` `(B, padded)` says which
+    regrouped slots are real, unpadded keys; `global_pos`/`global_ok` `(B, prefix)` (a whole number
+    of blocks, None: no global keys) which global keys each sequence has. Without padding the block
+    structure is cached per shape; with it, key blocks holding padding are demoted from full to
+    partial for that sequence, so the mask_mod sees them."""
+    prefix = 0 if global_pos is None else global_pos.shape[1]
+    if not padding:
+        block_mask = copy.copy(_cached_block_mask(n, radius, dilation, prefix, key_ok.device))
+    else:
+        partial, full = _band_blocks(n, radius, dilation, key_ok.device)
+        dirty = ~key_ok.reshape(key_ok.shape[0], 1, -1, BLOCK).all(-1)  # (B, 1, Kb)
+        partial, full = _with_prefix(partial | (full & dirty), full & ~dirty, prefix)
+        block_mask = BlockMask.from_kv_blocks(*(t[:, None] for t in _ordered(partial)),
+                                              *(t[:, None] for t in _ordered(full)), BLOCK_SIZE=BLOCK,
+                                              seq_lengths=(key_ok.shape[1], key_ok.shape[1] + prefix))
+    block_mask.mask_mod = _mask_mod(key_ok, _layout(n, dilation)[0], radius, dilation, prefix, global_pos, global_ok)
+    return block_mask
+
+
+def _global_prefix(x: torch.Tensor, xc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[the global tokens' rows of x `(B, H, N, D)`, zero-padded to whole blocks; xc]."""
+    batch = torch.arange(x.shape[0], device=x.device)[:, None]
+    rows = x[batch, :, pos].transpose(1, 2)  # (B, H, G, D)
+    return torch.cat([F.pad(rows, (0, 0, 0, -pos.shape[1] % BLOCK)), xc], dim=2)
+
+
+def flex_band_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    radius: int,
+    dilation: int,
+    not_pad: torch.Tensor | None,
+    global_pos: torch.Tensor | None = None,
+    global_valid: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Every row's band + global-key attention, `(B, H, N, D)` in and out.
+
+    `not_pad` `(B, N)`: False hides a key (None: no padding). `global_pos`/`global_valid` `(B, G)` (from
+    `vit.attention.global_positions`): the global keys every query sees besides its band. Rows of
+    global or padding tokens come out finite but meaningless: the caller overwrites or zeroes them.
+    """
+    bsz, _, n, _ = q.shape
+    m, _ = _layout(n, dilation)
+    radius = min(radius, max(m - 1, 0))  # a radius past the sequence adds nothing
+    padding = not_pad is not None
+    qc, kc, vc = (to_classes(t, dilation) for t in (q, k, v))
+    if not_pad is None:
+        not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device)
+    key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
+    if global_pos is not None and global_pos.shape[1] > 0:
+        kc, vc = (_global_prefix(t, tc, global_pos) for t, tc in ((k, kc), (v, vc)))
+        extra = -global_pos.shape[1] % BLOCK
+        global_pos, global_valid = F.pad(global_pos, (0, extra)), F.pad(global_valid, (0, extra), value=False)
+    else:
+        global_pos = global_valid = None
+    block_mask = band_block_mask(n, radius, dilation, key_ok, padding, global_pos, global_valid)
+    out = _flex(q.device)(qc, kc, vc, block_mask=block_mask, scale=scale)
+    return from_classes(out, n, dilation)
