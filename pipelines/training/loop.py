@@ -92,7 +92,7 @@ def _start(config: dict[str, Any], hooks: LoopHooks) -> _Run:
     forward = hooks.forward_model(model)
     step_fn = TrainStep(
         ray.train.torch.prepare_model(forward), optimizer, scheduler, device=device, amp_dtype=amp_dtype,
-        clip_grad_norm=s.clip_grad_norm, label_smoothing=s.label_smoothing,
+        clip_grad_norm=s.clip_grad_norm, label_smoothing=s.label_smoothing, compile=s.compile,
     )
     global_batch = s.batch_size_per_worker * s.grad_accum_steps * worker.world
     log = Rank0Log(s, worker.rank, Progress(worker.name, hooks.end_step(s), global_batch, int(pos["step"])))

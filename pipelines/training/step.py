@@ -95,7 +95,8 @@ def build_sgd_optimizer(model: nn.Module, lr: float, momentum: float, weight_dec
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+    fused = bool(decay) and decay[0].is_cuda  # one kernel for all parameters on GPUs, as AdamW's
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, fused=fused or None)
 
 
 def build_loop_optimizer(model: nn.Module, s: LoopSettings) -> torch.optim.Optimizer:
@@ -162,6 +163,10 @@ class TrainStep:
     last micro-batch (`no_sync` on the others), global-norm clipping, AdamW
     update, schedule tick. A non-finite gradient norm skips the update, so the
     weights stay those of the last good step; the caller decides to stop.
+
+    With `compile`, the step calls `torch.compile(model)`; `model` itself stays
+    eager for evaluation and is what checkpoints hold, so a compiled run's keys
+    are an eager run's (no `_orig_mod.` prefix) and load into either.
     """
 
     def __init__(
@@ -174,8 +179,9 @@ class TrainStep:
         amp_dtype: torch.dtype | None,
         clip_grad_norm: float | None = 1.0,
         label_smoothing: float = 0.0,
+        compile: bool = False,
     ) -> None:
-        self.model = model
+        self.model = torch.compile(model) if compile else model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.device = device
