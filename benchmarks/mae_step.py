@@ -1,7 +1,8 @@
 """`vit_train_step.py --objective mae`: an MAE training step against a supervised one on the same encoder.
 
-    PYTHONPATH=. python benchmarks/vit_train_step.py --objective mae --model ViT-B/16 --batch 8 --dtypes bf16
-    PYTHONPATH=. python benchmarks/vit_train_step.py --objective mae --device cuda --batch 256 --dtypes bf16
+    PYTHONPATH=. python benchmarks/vit_train_step.py --objective mae --model ViT-B/16 --batch 4 --dtypes bf16 \
+        --threads 1 --clock cpu --steps 5 --warmup 1 --json
+    PYTHONPATH=. python benchmarks/vit_train_step.py --objective mae --device cuda --json   # ViT-B/16, batch 256
 
 Every step is forward, loss, backward and fused AdamW (`zero_grad(set_to_none=True)`), under bf16
 autocast on the device for bf16. Supervised: the ViT with a `--num-classes` head and cross-entropy.
@@ -24,9 +25,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-import vit
-from vit.mae import num_visible
 
 
 DECODER_RE = re.compile(r"^(\d+)d(\d+)b(\d+)h$")
@@ -54,8 +52,10 @@ def _blocks_macs(tokens: int, dim: int, mlp: int, depth: int) -> int:
     return depth * (tokens * dim * 3 * dim + 2 * tokens * tokens * dim + tokens * dim * dim + 2 * tokens * dim * mlp)
 
 
-def flop_ratio(config: vit.ViTConfig, decoder: tuple[int, int, int], mask_ratio: float, num_classes: int) -> float:
+def flop_ratio(config, decoder: tuple[int, int, int], mask_ratio: float, num_classes: int) -> float:
     """Forward MACs per image of an MAE step over a supervised step (head included) of a `config` encoder."""
+    from vit.mae import num_visible  # like vit_train_step, vit loads only once a run starts
+
     c, (width, depth, _) = config, decoder
     n, prefix = c.num_patches, 1 if c.class_token else 0
     keep = num_visible(n, mask_ratio)
@@ -68,6 +68,8 @@ def flop_ratio(config: vit.ViTConfig, decoder: tuple[int, int, int], mask_ratio:
 
 def _steps(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Step closures by name, "supervised" first, then one per decoder; and the names of the MAE steps."""
+    import vit
+
     torch.manual_seed(0)
     supervised = vit.create_model(args.model, image_size=args.image_size, num_classes=args.num_classes).to(device)
     maes = {}
@@ -137,6 +139,8 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, clock: Callable[[], fl
 
 def run(args: argparse.Namespace, dtypes: dict[str, torch.dtype], clock: Callable[[], float]) -> dict[str, object]:
     """The MAE comparison's result object, one entry per dtype plus the setting."""
+    import vit
+
     t0 = time.perf_counter()
     result: dict[str, object] = {
         "objective": "mae", "model": args.model, "batch": args.batch, "image_size": args.image_size,
