@@ -13,6 +13,11 @@ adds one more compiled entry of our model per idea to judge on the GPU (see VARI
 compile and is skipped, with a note in the JSON, when it would end the run past `--budget-s`). The slow
 `autotune` variant wants a run of its own: `--compile only --models ours,timm --variant autotune --budget-s 550`.
 
+The MAE step's cost against a supervised step of the same ViT-B/16 (batch 256, bf16, eager; under
+a minute; see benchmarks/mae_step.py):
+
+    PYTHONPATH=. python benchmarks/vit_train_step.py --objective mae --device cuda --json
+
 On CPU (fp32 and bf16 against Hugging Face's ViT, as before):
 
     python benchmarks/vit_train_step.py --json
@@ -65,6 +70,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import mae_step  # this script's folder is on sys.path when it runs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -616,6 +623,9 @@ DEFAULTS = {"model": ("ViT-S/16", "ViT-S/16", "ViT-B/16"), "batch": (32, 32, 256
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--objective", choices=("supervised", "mae"), default="supervised",
+                   help="mae: an MAE step against a supervised step of the same model (see benchmarks/mae_step.py)")
+    mae_step.add_arguments(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda runs the suite (ours, timm, HF) in bf16 autocast")
     p.add_argument("--compile", nargs="?", const="both", default="none", choices=("none", "both", "only"),
@@ -655,6 +665,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad combinations in one line each (argparse exits with it)."""
+    if args.objective == "mae" and (args.compile != "none" or args.variant or args.profile):
+        p.error("--objective mae times eager steps: drop --compile, --variant and --profile")
+    if args.objective == "mae" and args.device == "cuda":
+        args.dtypes = "bf16"  # on CUDA, as the suite, bf16 autocast only
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in args.dtypes + ([args.profile] if args.profile else []):
         if d not in DTYPES:
@@ -711,7 +725,10 @@ def cpu_comparison(args: argparse.Namespace) -> dict[str, object] | None:
 def main(argv: list[str] | None = None) -> dict[str, object] | None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = suite(args) if args.suite else cpu_comparison(args)
+    if args.objective == "mae":
+        result = mae_step.run(args, DTYPES, CLOCKS[args.clock])
+    else:
+        result = suite(args) if args.suite else cpu_comparison(args)
     if result is None:
         return None
     if args.json:

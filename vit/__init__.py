@@ -2,7 +2,8 @@
 
 `create_model(name, **overrides)` builds any registered model by name; families
 register builders with `register_model` (`vit.registry`). Model surgery (another
-resolution with a new head, a frozen backbone, a weights hash) is in `vit.surgery`.
+resolution with a new head, a frozen backbone, a weights hash) is in `vit.surgery`;
+`MaskedAutoencoder` (`vit.mae`) pretrains a ViT encoder on unlabeled images.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from vit.config import ResNetStemConfig, ViTConfig, decode_variant, is_vit_name, preset_config
 from vit.model import VisionTransformer
 from vit.longformer import LongformerConfig, LongformerEncoder
+from vit.mae import MaskedAutoencoder, masking_generator
 from vit.patches import grid_size, patchify, unpatchify
 from vit.registry import create_model, list_models, register_model
 from vit.resnet import ResNet, ResNetConfig
@@ -22,6 +24,7 @@ __all__ = [
     "VTNConfig",
     "LongformerConfig",
     "LongformerEncoder",
+    "MaskedAutoencoder",
     "create_vtn",
     "ResNet",
     "ResNetConfig",
@@ -37,6 +40,7 @@ __all__ = [
     "list_models",
     "load_checkpoint",
     "load_pretrained",
+    "masking_generator",
     "patchify",
     "preset_config",
     "register_arch",
