@@ -7,6 +7,7 @@ Imports only torch and `vit` (the GPU machine has neither Ray nor MLflow). 12 he
 
 - ours_banded_d1 / ours_banded_d1_g: `sliding_window_attention(kernel="banded")`, dilation 1,
                      without / with 4 global tokens (the first, last and two between)
+- ours_flex_d1:      the same call with `kernel="flex"`, dilation 1, no globals
 - ours_flex_d1_g / ours_flex_d2_g: the same call with `kernel="flex"`, dilation 1 / 2, the globals
 - plain_flex_swa:    `flex_attention` with a plain sliding-window block mask (|i - j| <= 256): no
                      dilation, no globals, no padding (the usual FlexAttention example)
@@ -28,7 +29,7 @@ import sys
 import time
 
 HEADS, DIM, WINDOW, NUM_GLOBALS = 12, 64, 512, 4
-ROWS = ("ours_banded_d1", "ours_banded_d1_g", "ours_flex_d1_g", "ours_flex_d2_g", "plain_flex_swa", "dense_sdpa_flash")
+ROWS = ("ours_banded_d1", "ours_banded_d1_g", "ours_flex_d1", "ours_flex_d1_g", "ours_flex_d2_g", "plain_flex_swa", "dense_sdpa_flash")
 
 
 def _inputs(n: int, batch: int = 1, seed: int = 0):

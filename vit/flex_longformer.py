@@ -93,14 +93,30 @@ def _original_index(slots: torch.Tensor, m: int, dilation: int) -> torch.Tensor:
     return (slots % m) * dilation + slots // m
 
 
-def _mask_mod(key_ok: torch.Tensor, m: int, radius: int, dilation: int, prefix: int,
+def _mask_mod(key_ok: torch.Tensor | None, n: int, radius: int, dilation: int, prefix: int,
               global_pos: torch.Tensor | None, global_ok: torch.Tensor | None):
     """Key slots [0, prefix) hold the global keys (`global_pos`/`global_ok` `(B, prefix)`): a query
     takes those outside its band. Slots past them are the regrouped sequence: same class, within
-    the radius, and a usable key (`key_ok` `(B, padded)`)."""
+    the radius, and a usable key (`key_ok` `(B, padded)`; None: no padding, so only the layout's filler
+    slots are unusable)."""
+
+    m, padded = _layout(n, dilation)
+
+    # A gather per score is what made this kernel several times slower than a plain band on an H200:
+    # without padding, which slots are real keys is arithmetic, and with dilation 1 and whole blocks
+    # every slot is one.
+    def usable(b, j):
+        if key_ok is not None:
+            return key_ok[b, j]
+        if dilation == 1 and padded == n:
+            return j >= 0
+        return (j < m * dilation) & (_original_index(j, m, dilation) < n)
 
     def band(b, q_idx, j):
-        return (q_idx // m == j // m) & ((q_idx - j).abs() <= radius) & key_ok[b, j]
+        near = (q_idx - j).abs() <= radius
+        if dilation > 1:
+            near = near & (q_idx // m == j // m)
+        return near & usable(b, j)
 
     if not prefix:
         return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx)
@@ -180,7 +196,7 @@ def band_block_mask(n: int, radius: int, dilation: int, key_ok: torch.Tensor, pa
         block_mask = BlockMask.from_kv_blocks(*(t[:, None] for t in _ordered(partial)),
                                               *(t[:, None] for t in _ordered(full)), BLOCK_SIZE=BLOCK,
                                               seq_lengths=(key_ok.shape[1], key_ok.shape[1] + prefix))
-    block_mask.mask_mod = _mask_mod(key_ok, _layout(n, dilation)[0], radius, dilation, prefix, global_pos, global_ok)
+    block_mask.mask_mod = _mask_mod(key_ok if padding else None, n, radius, dilation, prefix, global_pos, global_ok)
     return block_mask
 
 
