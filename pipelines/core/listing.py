@@ -3,18 +3,17 @@
 One `list_objects_v2` stream costs a round trip per 1,000 keys: ImageNet-21k's 14 M
 objects are some 14,000 calls in a row before the first decode. Here the source's
 first level is listed with `Delimiter="/"` (its class folders, a page of 1,000 at a
-time), and each folder is listed by its own Ray task, a streaming generator that
-yields its pages. At most `width` folders are in flight; their pages are consumed
+time), and each folder is listed in a thread of a Ray actor (a few actors, eight
+threads each; a streaming generator of the folder's pages). At most `width` folders are in flight; their pages are consumed
 in folder order, so the entries come out exactly as one sequential listing would
 give them (the shard plans and their fingerprints do not change), while the caller
-holds only the pages in flight (each task runs at most two pages ahead).
+holds only the pages in flight (each folder runs at most two pages ahead).
 
 Local sources are listed in this process: another node cannot see the directory.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -22,16 +21,16 @@ from typing import Any
 from pipelines.core.errors import find_vitpipe_error
 from pipelines.core.storage import Entry, S3Store, Store
 
-# Pages a folder's task may list before the consumer has taken them.
+# Pages a folder's listing may run ahead of the consumer.
 _PAGES_AHEAD = 2
-# The store each worker process lists with: one boto3 client a process, not one a folder.
-_stores: dict[tuple[Any, ...], S3Store] = {}
+# Folders one lister actor lists at once (threads; boto3 clients are thread-safe).
+_THREADS = 8
 
 
 def source_entries(source: Store, *, width: int, page_size: int = 1000) -> Iterator[list[Entry]]:
     """Every object under `source` (hidden names skipped), in key order, a page at a time.
 
-    S3 sources are listed folder by folder, `width` folders at once, by Ray tasks (the
+    S3 sources are listed folder by folder, `width` folders at once, by Ray actors (the
     caller must be connected to Ray); a root without folders is its first-level listing.
     """
     if not isinstance(source, S3Store):
@@ -39,7 +38,12 @@ def source_entries(source: Store, *, width: int, page_size: int = 1000) -> Itera
         return
     import ray
 
-    lister = _lister()
+    # A few processes, many threads: a LIST call mostly waits on the network, and a process per
+    # folder in flight would cost Ray a worker start for each (seconds of CPU on a small node).
+    actor = ray.remote(_Lister).options(
+        num_cpus=0, max_concurrency=_THREADS, scheduling_strategy="SPREAD", max_restarts=0
+    )
+    listers = [actor.remote(source, page_size) for _ in range(-(-width // _THREADS))]
     queue: deque[Any] = deque()  # folders' page generators and first-level objects, in key order
     in_flight = 0
     try:
@@ -50,7 +54,8 @@ def source_entries(source: Store, *, width: int, page_size: int = 1000) -> Itera
                     if objects:
                         queue.append(objects)
                         objects = []
-                    queue.append(lister.remote(source, unit, page_size))
+                    lister = listers[in_flight % len(listers)]
+                    queue.append(lister.folder.options(_generator_backpressure_num_objects=_PAGES_AHEAD).remote(unit))
                     in_flight += 1
                 else:
                     objects.append(unit)
@@ -62,26 +67,14 @@ def source_entries(source: Store, *, width: int, page_size: int = 1000) -> Itera
                 yield from _drain(unit)
         while queue:
             yield from _drain(queue.popleft())
-    except Exception as exc:  # a folder's task failed: its own one-line error, not Ray's traceback
+    except Exception as exc:  # a folder's listing failed: its own one-line error, not Ray's traceback
         known = find_vitpipe_error(exc)
         if known is None:
             raise
         raise known from None
     finally:
-        for pending in queue:  # stop the folders nobody will read (the consumer stopped early, or failed)
-            if not isinstance(pending, list):
-                ray.cancel(pending)
-
-
-@functools.cache
-def _lister() -> Any:
-    import ray
-
-    return ray.remote(_list_folder).options(
-        num_cpus=0,  # waits on the network; must not take a CPU slot from the decoders
-        scheduling_strategy="SPREAD",
-        _generator_backpressure_num_objects=_PAGES_AHEAD,
-    )
+        for lister in listers:  # also stops the folders nobody will read (the consumer stopped early)
+            ray.kill(lister)
 
 
 def _drain(unit: Any) -> Iterator[list[Entry]]:
@@ -95,8 +88,13 @@ def _drain(unit: Any) -> Iterator[list[Entry]]:
         yield ray.get(ref)
 
 
-def _list_folder(source: S3Store, folder: str, page_size: int) -> Iterator[list[Entry]]:
-    """A folder's pages (keys relative to the source), listed in a Ray worker."""
-    key = (source.uri, source.settings)
-    store = _stores.setdefault(key, source)
-    yield from store.list_entries(folder, page_size)
+class _Lister:
+    """Lists folders of one source in a Ray actor, `_THREADS` at once, with one boto3 client."""
+
+    def __init__(self, source: S3Store, page_size: int) -> None:
+        self.source = source
+        self.page_size = page_size
+
+    def folder(self, folder: str) -> Iterator[list[Entry]]:
+        """A folder's pages (keys relative to the source)."""
+        yield from self.source.list_entries(folder, self.page_size)
