@@ -120,9 +120,13 @@ def measure(url: str, rounds: int, width: int) -> dict[str, list[float]]:
         "sequential": lambda: [e for page in store.list_entries(page_size=PAGE) for e in page],
         "parallel": lambda: [e for page in source_entries(store, width=width, page_size=PAGE) for e in page],
     }
+    start = time.perf_counter()
     expected = ways["sequential"]()
+    print(f"warm-up sequential: {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     if ways["parallel"]() != expected:
         raise SystemExit("the parallel listing differs from the sequential one")
+    print(f"warm-up parallel: {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, way in ways.items():
@@ -130,6 +134,7 @@ def measure(url: str, rounds: int, width: int) -> dict[str, list[float]]:
             count = len(way())
             times[name].append(time.perf_counter() - start)
             assert count == len(expected)
+            print(f"{name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)  # progress, not the result
     return times
 
 
@@ -165,6 +170,7 @@ def main() -> None:
     latency_file.write_text("0")
     started = time.perf_counter()
     proc, url = start_server(args.keys, args.prefixes, latency_file)
+    print(f"server filled in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     report: dict[str, object] = {
         "keys": args.keys, "prefixes": args.prefixes, "width": args.width, "cpus": args.cpus,
         "rounds": args.rounds, "server_fill_s": round(time.perf_counter() - started, 1), "scale": args.scale,
