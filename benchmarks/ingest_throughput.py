@@ -140,7 +140,7 @@ def without_ray_data(run_all: Callable[[list[dict], IngestConfig], Iterable[int]
     shutil.rmtree(config.output, ignore_errors=True)
     os.sync()
     start = time.perf_counter()
-    plans = list(ingest_plan.cut_shards(ingest_plan.folder_items(open_store(config.source, S3Settings.resolve(None))),
+    plans = list(ingest_plan.cut_shards(ingest_plan.folder_items(open_store(config.source, S3Settings.resolve(None)).list_entries()),
                                         config.shard_size, config.mix_window, config.seed))
     for plan in plans:
         ingest_plan.seal(plan, "bench")

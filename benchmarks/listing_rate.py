@@ -49,7 +49,7 @@ def _best(fn, rounds: int) -> float:
 
 def _plan_all(store) -> None:
     digest = hashlib.sha256()
-    items = ingest_plan.folder_items(store)
+    items = ingest_plan.folder_items(store.list_entries())
     for plan in ingest_plan.cut_shards(items, 512, 8, 0):
         digest.update(ingest_plan.seal(plan, "bench")["fingerprint"].encode())
 

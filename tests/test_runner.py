@@ -171,14 +171,16 @@ def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_mlflow_ui_shows_the_pipeline_run(runs, mlflow_server, tmp_path):
+def test_the_mlflow_ui_opens_the_experiment_on_its_runs_table(runs, mlflow_server, tmp_path):
     first, _, client = runs
     experiment = client.get_run(first.run_id).info.experiment_id
-    # Marked as model training, so MLflow 3's UI treats it as such (unmarked: its GenAI overview).
     assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
-    page = f"{mlflow_server}/#/experiments/{experiment}/runs"
+    # MLflow 3.17's UI takes the kind from its GenAI / Model training switch, not from the tag: the address's
+    # `workflowType`, else the browser's last choice, GenAI in a fresh one (its overview lists no run).
+    # The experiment's address as the README gives it opens on the runs table.
+    page = f"{mlflow_server}/#/experiments/{experiment}?workflowType=machine_learning"
     dom = _chromium(f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", page).stdout
-    assert "tiny" in dom  # the pipeline run's name, rendered by the UI's run table
+    assert "Run Name" in dom and "tiny" in dom  # the runs table's header, and the pipeline run's name in it
     shot = tmp_path / "runs.png"
     _chromium(f"--user-data-dir={tmp_path / 'profile-shot'}", f"--screenshot={shot}", "--window-size=1400,900", page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

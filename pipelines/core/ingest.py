@@ -4,7 +4,8 @@ The work is a Ray Data pipeline of two operators:
 
 1. *plan* (one task) streams the source listing page by page — `<class>/<file>`
    folders, or the rows of a CSV/Parquet manifest tagged from one listing of the
-   source — and cuts it into shard plans (`pipelines.core.plan`). Each plan holds
+   source — and cuts it into shard plans (`pipelines.core.plan`). On S3 the class
+   folders are listed in parallel by Ray tasks, in key order (`pipelines.core.listing`). Each plan holds
    its keys, labels and each object's version tag (size and ETag or mtime), and
    a fingerprint of all of it under the config. The task ends with the input
    digest: a hash of every plan fingerprint in order.
@@ -39,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipelines.core import plan as ingest_plan, shards
+from pipelines.core import listing, plan as ingest_plan, shards
 from pipelines.core.fetch import reusable
 from pipelines.core.errors import IngestError, StorageError, TransientStorageError, VitpipeError, find_vitpipe_error
 from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
@@ -48,7 +49,7 @@ log = logging.getLogger("vitpipe.ingest")
 # Config fields that do not change the shards written, so they stay out of the output's fingerprint.
 NOT_IDENTITY = {
     "output", "endpoint_url",  # where the shards go and which endpoint serves the objects
-    "concurrency", "io_threads",  # how fast
+    "concurrency", "io_threads", "list_concurrency",  # how fast
     "max_reject_fraction",  # how strict: it decides whether the stage fails, not what it writes
 }
 
@@ -71,6 +72,7 @@ class ShardedIngestConfig(BaseModel):
     mix_window: int = Field(8, ge=1)  # shards whose keys are shuffled together
     concurrency: int | None = Field(None, ge=1)  # shard tasks at once; None: as many as CPUs allow
     io_threads: int = Field(8, ge=1, le=64)  # objects fetched or in flight per shard task, at most
+    list_concurrency: int = Field(16, ge=1, le=256)  # S3 class folders listed at once, by Ray tasks
     max_object_bytes: int = Field(64 * 2**20, ge=1)  # larger objects are rejected without being read
     compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
 
@@ -293,10 +295,11 @@ def _plan_udf(
     a hash of every plan fingerprint in order. One listing pass, never held whole."""
     digest = hashlib.sha256(fingerprint.encode())
     try:
+        pages = listing.source_entries(source, width=config.list_concurrency)
         if manifest is not None:
-            items = ingest_plan.tagged(ingest_plan.manifest_items(manifest), ingest_plan.ListingIndex(source))
+            items = ingest_plan.tagged(ingest_plan.manifest_items(manifest), ingest_plan.ListingIndex(pages))
         else:
-            items = ingest_plan.folder_items(source)
+            items = ingest_plan.folder_items(pages)
         for plan in ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed):
             ingest_plan.seal(plan, fingerprint)
             digest.update(plan["fingerprint"].encode())

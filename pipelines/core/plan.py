@@ -18,14 +18,14 @@ with a label manifest, a compact index of the listing: 16 bytes an object).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from pipelines.core import shards
 from pipelines.core.errors import IngestError
-from pipelines.core.storage import Store
+from pipelines.core.storage import Entry, Store
 
 # A row is (key, label, split or "", class name, reason); a non-empty reason rejects it at planning.
 Row = tuple[str, int, str, str, str]
@@ -41,10 +41,11 @@ def version_tag(size: int, version: str) -> str:
     return hashlib.blake2b(f"{size}:{version}".encode(), digest_size=8).hexdigest()
 
 
-def folder_items(source: Store) -> Iterator[Item]:
-    """`<class>/<file>` layout: classes are numbered in listing (lexicographic) order."""
+def folder_items(pages: Iterable[list[Entry]]) -> Iterator[Item]:
+    """`<class>/<file>` layout, from the source's listing pages in key order: classes are
+    numbered in listing (lexicographic) order."""
     classes: dict[str, int] = {}
-    for page in source.list_entries():
+    for page in pages:
         for key, size, version in page:
             tag = version_tag(size, version)
             name, sep, _ = key.partition("/")
@@ -55,13 +56,13 @@ def folder_items(source: Store) -> Iterator[Item]:
 
 
 class ListingIndex:
-    """The version tags of every object under a prefix, from one listing pass, for a label
-    manifest whose rows come in any order: 16 bytes an object (key hash, tag), sorted."""
+    """The version tags of every object under a prefix, from one pass over its listing pages, for
+    a label manifest whose rows come in any order: 16 bytes an object (key hash, tag), sorted."""
 
-    def __init__(self, source: Store) -> None:
+    def __init__(self, pages: Iterable[list[Entry]]) -> None:
         hashes: list[np.ndarray] = []
         tags: list[np.ndarray] = []
-        for page in source.list_entries():
+        for page in pages:
             hashes.append(np.array([_key_hash(key) for key, _, _ in page], dtype=np.uint64))
             tags.append(np.array([int(version_tag(size, v), 16) for _, size, v in page], dtype=np.uint64))
         keys = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)

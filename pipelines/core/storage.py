@@ -263,12 +263,32 @@ class S3Store(Store):
         return join_key(self.prefix, key)
 
     def list_entries(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[Entry]]:
-        base = self._key(prefix)
+        if prefix.endswith("/"):  # a folder a delimiter listing named ("a/", even "/"): listed as is
+            base = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        else:
+            base = f"{self._key(prefix)}/" if self._key(prefix) else ""
+        for entries, _ in self._pages(base, page_size, hidden, delimiter=False):
+            if entries:
+                yield entries
+
+    def list_level(self, page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[Entry | str]]:
+        """The root's first level in key order, a page at a time: its objects as entries, and its
+        folders as relative prefixes ending in "/" (one `Delimiter="/"` listing; nothing deeper)."""
+        for entries, folders in self._pages(f"{self.prefix}/" if self.prefix else "", page_size, hidden, delimiter=True):
+            # One page holds a stretch of the key order; its objects and folders interleave within it.
+            units: list[Entry | str] = sorted([*entries, *folders], key=lambda u: u if isinstance(u, str) else u[0])
+            if units:
+                yield units
+
+    def _pages(
+        self, prefix: str, page_size: int, hidden: bool, *, delimiter: bool
+    ) -> Iterator[tuple[list[Entry], list[str]]]:
+        """Each LIST call's objects (folder markers and, unless `hidden`, hidden names skipped) and folders."""
         strip = len(self.prefix) + 1 if self.prefix else 0
-        paginator = self.client.get_paginator("list_objects_v2")
+        extra = {"Delimiter": "/"} if delimiter else {}
         try:
-            pages = paginator.paginate(
-                Bucket=self.bucket, Prefix=f"{base}/" if base else "", PaginationConfig={"PageSize": page_size}
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}, **extra
             )
             for page in pages:
                 entries = [
@@ -276,10 +296,11 @@ class S3Store(Store):
                     for obj in page.get("Contents", [])
                     if not obj["Key"].endswith("/") and (hidden or not _is_hidden(obj["Key"][strip:]))
                 ]
-                if entries:
-                    yield entries
+                folders = [p["Prefix"][strip:] for p in page.get("CommonPrefixes", [])
+                           if hidden or not _is_hidden(p["Prefix"][strip:-1])]
+                yield entries, folders
         except Exception as exc:  # botocore raises several unrelated types
-            raise self.error(exc, prefix) from None
+            raise self.error(exc, prefix[strip:]) from None
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         # botocore retries a request until its response headers arrive; a body cut off after

@@ -31,8 +31,10 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 TAG_STAGE = "vitpipe.stage"
 TAG_CONFIG_HASH = "vitpipe.config_hash"
 TAG_PARENT = "mlflow.parentRunId"
-# MLflow 3's UI opens an experiment by this tag: without it, on the GenAI overview (traces) instead of the
-# runs table. The value is the UI's `ExperimentKind.CUSTOM_MODEL_DEVELOPMENT` ("Machine learning").
+# The experiment's kind for MLflow 3's UI: model training, its `ExperimentKind.CUSTOM_MODEL_DEVELOPMENT`.
+# MLflow 3.17's UI shows the kind its GenAI / Model training switch names instead (the address's
+# `?workflowType=machine_learning`, else the browser's last choice, GenAI at first), so the README's
+# experiment links carry that query; the tag keeps the kind for the UIs and clients that read it.
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
