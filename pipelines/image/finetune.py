@@ -52,7 +52,7 @@ TAG_MANIFEST = "vitpipe.manifest_hash"
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
 NOT_IDENTITY = {
     "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
-    "max_concurrent_trials", "ray_data_cpus", "trial_driver_cpus", "torch_threads",  # how fast
+    "max_concurrent_trials", "ray_data_cpus", "trial_driver_cpus", "torch_threads", "compile",  # how fast
     "train_data", "memory_limit_mb",  # how rows reach the trials (in memory or streamed), not which rows
     "max_failures", "keep_checkpoints",  # how trials are retried and how many checkpoints they keep
 }

@@ -38,6 +38,7 @@ NOT_IDENTITY = {
     "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
     "ingest_run_id",  # lineage only: the data's content hash is in the identity
     "max_failures",  # how often a worker group is retried
+    "compile",  # how fast: a compiled step trains the same weights
 }
 
 

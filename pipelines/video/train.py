@@ -74,7 +74,7 @@ NOT_IDENTITY = {
     "ingest_run_id",  # lineage only: the data's content hash is in the identity
     "registry_model",  # where the finished model is registered
     "max_failures",  # how often a worker group is retried
-    "torch_threads",  # how fast
+    "torch_threads", "compile",  # how fast: a compiled step trains the same weights
 }
 
 
