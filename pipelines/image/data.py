@@ -14,7 +14,6 @@ is reproducible; `epochs=k` then chains k passes with epochs 0..k-1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,23 +24,14 @@ from pipelines.core.datasets import PATCH_MEAN, PATCH_STD, key_seed, seeded_pass
 from pipelines.core.errors import VitpipeError
 from pipelines.core.storage import open_store
 from pipelines.image.patches import patchify_batch, unpatchify
+from pipelines.training.recipe import AugmentConfig
 
 __all__ = [
-    "AugmentConfig",
     "augment_patches",
     "load_split",
     "normalize",
     "patch_dataset",
 ]
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    """Random-resized-crop and flip parameters (crop area fraction and aspect ratio ranges)."""
-
-    scale: tuple[float, float] = (0.25, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    flip: bool = True
 
 
 def normalize(patches: np.ndarray) -> np.ndarray:
