@@ -8,10 +8,13 @@ import math
 import pytest
 import torch
 
+from pipelines.image.data import normalize
+from pipelines.image.pretrain import load_config, pretrain_hooks
 from pipelines.training.augment import (
     augment_patch_batches,
     augment_patch_tensor,
     batch_generator,
+    normalize_pixels,
     random_resized_crop_flip,
 )
 from pipelines.training.recipe import AugmentConfig
@@ -114,6 +117,15 @@ def test_a_batch_crops_by_seed_rank_epoch_and_index_alone():
     assert not torch.equal(whole[0][2]["patches"], other_rank[2]["patches"])
 
 
+def test_uint8_pixels_are_normalised_on_the_device_as_the_cpu_path_normalises_them():
+    pixels = torch.randint(0, 256, (2, 16, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(14))
+    assert torch.allclose(normalize_pixels(pixels), torch.from_numpy(normalize(pixels.numpy())), atol=1e-6)
+    kwargs = dict(patch_size=4, grid=(4, 4), aug=AugmentConfig(), seed=0, rank=0)
+    raw = next(augment_patch_batches(iter([(0, 1, {"patches": pixels})]), **kwargs))[2]["patches"]
+    normalised = next(augment_patch_batches(iter([(0, 1, {"patches": normalize_pixels(pixels)})]), **kwargs))[2]["patches"]
+    assert raw.dtype == torch.float32 and torch.allclose(raw, normalised, atol=1e-5)
+
+
 def test_batch_generators_differ_for_neighbouring_words():
     draws = {batch_generator(0, 0, 0, i).initial_seed() for i in range(100)}
     draws |= {batch_generator(1, 0, 0, i).initial_seed() for i in range(100)}
@@ -139,21 +151,15 @@ MANIFEST = {"patch_size": 4, "grid": [4, 4]}
 
 
 def pretrain_config(**kw):
-    from pipelines.image.pretrain import load_config
-
     return load_config({"data": "/data", "steps": 10, "warmup_steps": 1, **kw})
 
 
 def test_pretraining_augments_on_the_cpu_data_workers_by_default():
-    from pipelines.image.pretrain import pretrain_hooks
-
     assert pretrain_config().augment_on == "cpu"
     assert pretrain_hooks(pretrain_config(), MANIFEST).aug is None
 
 
 def test_augment_on_device_hands_the_crop_to_the_worker_loop_at_the_datas_patch_layout():
-    from pipelines.image.pretrain import pretrain_hooks
-
     hooks = pretrain_hooks(pretrain_config(augment_on="device"), MANIFEST)
     assert (hooks.aug, hooks.patch_size, hooks.grid) == (AugmentConfig(), 4, (4, 4))
     assert pretrain_hooks(pretrain_config(augment_on="device", augment=False), MANIFEST).aug is None

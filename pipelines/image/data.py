@@ -84,15 +84,15 @@ def augment_patches(
 
 def _decode_batch(
     table: Any, *, layout: tuple[int, int, int, tuple[int, int]], augment: bool, seed: int | None, epoch: int,
-    aug: AugmentConfig,
+    aug: AugmentConfig, raw: bool,
 ) -> dict[str, np.ndarray]:
-    """Ray Data UDF: Parquet rows → normalised float patches (augmented when asked)."""
+    """Ray Data UDF: Parquet rows → normalised float patches (augmented when asked), or the stored uint8 (`raw`)."""
     n, d, p, grid = layout
     patches = patches_array(table.column("patches"), n, d)
     if augment:
         keys = table.column("key").to_pylist()
         patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=seed, epoch=epoch, aug=aug)
-    return {"patches": normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
+    return {"patches": patches if raw else normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
 
 
 def patch_dataset(
@@ -106,10 +106,13 @@ def patch_dataset(
     aug: AugmentConfig | None = None,
     endpoint_url: str | None = None,
     batch_size: int = 64,
+    raw: bool = False,
 ) -> Any:
     """A Ray Dataset over one split of an ingested output.
 
     Rows (via `iter_torch_batches`): `patches` float32 `(N, P*P*3)`, `label` int64.
+    With `raw` the patches stay the stored uint8 pixels, a quarter of the bytes to
+    move: the training worker normalises them on its device (`pipelines.training.augment`).
     `shuffle` (default: same as `augment`) shuffles the shard file order, seeded
     when `seed` is given; mix rows further with `local_shuffle_buffer_size` when
     iterating. `epochs` > 1 chains that many passes (each with its own crops).
@@ -129,7 +132,8 @@ def patch_dataset(
     return seeded_passes(
         paths, filesystem, split=split, columns=("patches", "label", "key", "split"),
         shuffle=augment if shuffle is None else shuffle, seed=seed, epochs=epochs, decode=_decode_batch,
-        fn_kwargs={"layout": layout, "augment": augment, "aug": aug or AugmentConfig()}, batch_size=batch_size,
+        fn_kwargs={"layout": layout, "augment": augment, "aug": aug or AugmentConfig(), "raw": raw},
+        batch_size=batch_size,
     )
 
 

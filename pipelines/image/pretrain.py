@@ -150,8 +150,9 @@ def patch_datasets(config: PretrainConfig, settings: LoopSettings) -> dict[str, 
     Reproducible: every pass over the data has its own seeded file order and
     crops, chained into one dataset that covers the run.
     """
-    on_cpu = config.augment and config.augment_on == "cpu"
-    datasets = {"train": patch_dataset(config.data, "train", augment=on_cpu, seed=config.seed,
+    on_device = config.augment and config.augment_on == "device"  # then the worker normalises the uint8 pixels too
+    datasets = {"train": patch_dataset(config.data, "train", augment=config.augment and not on_device, raw=on_device,
+                                       shuffle=config.augment, seed=config.seed,
                                        epochs=config.passes_over(settings.train_rows),
                                        endpoint_url=config.endpoint_url)}
     if settings.val_dataset:

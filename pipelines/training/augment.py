@@ -19,10 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipelines.core.datasets import PATCH_MEAN, PATCH_STD
 from pipelines.training.recipe import AugmentConfig
 from vit.patches import patchify, unpatchify
 
-__all__ = ["augment_patch_batches", "augment_patch_tensor", "batch_generator", "crop_boxes", "random_resized_crop_flip"]
+__all__ = ["augment_patch_batches", "augment_patch_tensor", "batch_generator", "crop_boxes", "normalize_pixels",
+           "random_resized_crop_flip"]
 
 TRIES = 10  # box draws per image before falling back to the whole image, as torchvision does
 
@@ -88,6 +90,11 @@ def random_resized_crop_flip(images: torch.Tensor, generator: torch.Generator, a
     return out.round_().clamp_(info.min, info.max).to(images.dtype)
 
 
+def normalize_pixels(patches: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels → float32 `(x / 255 - PATCH_MEAN) / PATCH_STD`, where they are (the CPU path's `normalize`)."""
+    return patches.float().mul_(1 / (255 * PATCH_STD)).sub_(PATCH_MEAN / PATCH_STD)
+
+
 def augment_patch_tensor(patches: torch.Tensor, patch_size: int, grid: tuple[int, int], generator: torch.Generator,
                          aug: AugmentConfig) -> torch.Tensor:
     """Patch sequences `(B, N, P·P·C)` → the same, each image random-resized-cropped and maybe flipped."""
@@ -101,10 +108,12 @@ def augment_patch_batches(batches: Iterator[tuple[int, int, dict[str, Any]]], *,
                           device: torch.device | None = None) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """The worker's `(epoch, batches consumed, batch)` stream with `batch["patches"]` augmented on `device`.
 
-    Batch `i` of `epoch` on `rank` draws from its own generator (`seed`, rank,
+    uint8 patches (a dataset read with `raw=True`) are normalised there first. Batch `i` of `epoch` on `rank` draws from its own generator (`seed`, rank,
     epoch, i), so a resumed run crops exactly as the uninterrupted one would.
     """
     for epoch, index, batch in batches:
         patches = batch["patches"] if device is None else batch["patches"].to(device, non_blocking=True)
+        if not patches.is_floating_point():
+            patches = normalize_pixels(patches)
         generator = batch_generator(seed, rank, epoch, index)
         yield epoch, index, {**batch, "patches": augment_patch_tensor(patches, patch_size, grid, generator, aug)}
