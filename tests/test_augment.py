@@ -122,7 +122,8 @@ def test_uint8_pixels_are_normalised_on_the_device_as_the_cpu_path_normalises_th
     assert torch.allclose(normalize_pixels(pixels), torch.from_numpy(normalize(pixels.numpy())), atol=1e-6)
     kwargs = dict(patch_size=4, grid=(4, 4), aug=AugmentConfig(), seed=0, rank=0)
     raw = next(augment_patch_batches(iter([(0, 1, {"patches": pixels})]), **kwargs))[2]["patches"]
-    normalised = next(augment_patch_batches(iter([(0, 1, {"patches": normalize_pixels(pixels)})]), **kwargs))[2]["patches"]
+    floats = iter([(0, 1, {"patches": normalize_pixels(pixels)})])
+    normalised = next(augment_patch_batches(floats, **kwargs))[2]["patches"]
     assert raw.dtype == torch.float32 and torch.allclose(raw, normalised, atol=1e-5)
 
 

@@ -92,7 +92,8 @@ def _decode_batch(
     if augment:
         keys = table.column("key").to_pylist()
         patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=seed, epoch=epoch, aug=aug)
-    return {"patches": patches if raw else normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
+    labels = table.column("label").to_numpy().astype(np.int64)
+    return {"patches": patches if raw else normalize(patches), "label": labels}
 
 
 def patch_dataset(

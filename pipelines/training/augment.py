@@ -108,8 +108,9 @@ def augment_patch_batches(batches: Iterator[tuple[int, int, dict[str, Any]]], *,
                           device: torch.device | None = None) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """The worker's `(epoch, batches consumed, batch)` stream with `batch["patches"]` augmented on `device`.
 
-    uint8 patches (a dataset read with `raw=True`) are normalised there first. Batch `i` of `epoch` on `rank` draws from its own generator (`seed`, rank,
-    epoch, i), so a resumed run crops exactly as the uninterrupted one would.
+    uint8 patches (a dataset read with `raw=True`) are normalised there first. Batch `i` of
+    `epoch` on `rank` draws from its own generator (`seed`, rank, epoch, i), so a resumed run
+    crops exactly as the uninterrupted one would.
     """
     for epoch, index, batch in batches:
         patches = batch["patches"] if device is None else batch["patches"].to(device, non_blocking=True)
