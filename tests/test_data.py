@@ -15,7 +15,6 @@ from pipelines.core import shards
 from pipelines.core.datasets import PATCH_MEAN, PATCH_STD
 from pipelines.core.shards import read_manifest
 from pipelines.image.data import (
-    AugmentConfig,
     augment_patches,
     load_split,
     normalize,
@@ -24,6 +23,7 @@ from pipelines.image.data import (
 )
 from pipelines.core.errors import VitpipeError
 from pipelines.image.patches import patchify_batch
+from pipelines.training.recipe import AugmentConfig
 
 
 def stored_rows(output: str, split: str) -> dict[str, tuple[np.ndarray, int]]:

@@ -212,12 +212,14 @@ def test_rerunning_a_finished_config_trains_nothing_and_keeps_one_run(trained, s
 # ---------------------------------------------------------------- data parallelism
 
 
-def test_the_same_config_trains_the_same_weights_twice(corpus, ray_cluster, tmp_path):
-    """Seeded file order and crops per pass, order kept by Ray Data: a demo's numbers repeat."""
+@pytest.mark.parametrize("augment_on", ["cpu", "device"])
+def test_the_same_config_trains_the_same_weights_twice(corpus, ray_cluster, tmp_path, augment_on):
+    """Seeded file order and crops per pass (on the data workers or the training worker's device), order kept
+    by Ray Data: a demo's numbers repeat."""
     weights = []
     for attempt in ("first", "second"):  # separate storage and tracking: nothing is reused or resumed
         config = base_config(corpus, tmp_path / attempt, num_workers=1, steps=6, checkpoint_interval=0,
-                             augment=True, shuffle_buffer=64)
+                             augment=True, augment_on=augment_on, shuffle_buffer=64)
         result = run_pretrain(config)
         model = registry.load_model_from_run(result.final_checkpoint, tracking_uri=config.tracking_uri)
         weights.append(model.state_dict())

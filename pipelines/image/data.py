@@ -14,7 +14,6 @@ is reproducible; `epochs=k` then chains k passes with epochs 0..k-1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,23 +24,14 @@ from pipelines.core.datasets import PATCH_MEAN, PATCH_STD, key_seed, seeded_pass
 from pipelines.core.errors import VitpipeError
 from pipelines.core.storage import open_store
 from pipelines.image.patches import patchify_batch, unpatchify
+from pipelines.training.recipe import AugmentConfig
 
 __all__ = [
-    "AugmentConfig",
     "augment_patches",
     "load_split",
     "normalize",
     "patch_dataset",
 ]
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    """Random-resized-crop and flip parameters (crop area fraction and aspect ratio ranges)."""
-
-    scale: tuple[float, float] = (0.25, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    flip: bool = True
 
 
 def normalize(patches: np.ndarray) -> np.ndarray:
@@ -94,15 +84,16 @@ def augment_patches(
 
 def _decode_batch(
     table: Any, *, layout: tuple[int, int, int, tuple[int, int]], augment: bool, seed: int | None, epoch: int,
-    aug: AugmentConfig,
+    aug: AugmentConfig, raw: bool,
 ) -> dict[str, np.ndarray]:
-    """Ray Data UDF: Parquet rows → normalised float patches (augmented when asked)."""
+    """Ray Data UDF: Parquet rows → normalised float patches (augmented when asked), or the stored uint8 (`raw`)."""
     n, d, p, grid = layout
     patches = patches_array(table.column("patches"), n, d)
     if augment:
         keys = table.column("key").to_pylist()
         patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=seed, epoch=epoch, aug=aug)
-    return {"patches": normalize(patches), "label": table.column("label").to_numpy().astype(np.int64)}
+    labels = table.column("label").to_numpy().astype(np.int64)
+    return {"patches": patches if raw else normalize(patches), "label": labels}
 
 
 def patch_dataset(
@@ -116,10 +107,13 @@ def patch_dataset(
     aug: AugmentConfig | None = None,
     endpoint_url: str | None = None,
     batch_size: int = 64,
+    raw: bool = False,
 ) -> Any:
     """A Ray Dataset over one split of an ingested output.
 
     Rows (via `iter_torch_batches`): `patches` float32 `(N, P*P*3)`, `label` int64.
+    With `raw` the patches stay the stored uint8 pixels, a quarter of the bytes to
+    move: the training worker normalises them on its device (`pipelines.training.augment`).
     `shuffle` (default: same as `augment`) shuffles the shard file order, seeded
     when `seed` is given; mix rows further with `local_shuffle_buffer_size` when
     iterating. `epochs` > 1 chains that many passes (each with its own crops).
@@ -139,7 +133,8 @@ def patch_dataset(
     return seeded_passes(
         paths, filesystem, split=split, columns=("patches", "label", "key", "split"),
         shuffle=augment if shuffle is None else shuffle, seed=seed, epochs=epochs, decode=_decode_batch,
-        fn_kwargs={"layout": layout, "augment": augment, "aug": aug or AugmentConfig()}, batch_size=batch_size,
+        fn_kwargs={"layout": layout, "augment": augment, "aug": aug or AugmentConfig(), "raw": raw},
+        batch_size=batch_size,
     )
 
 

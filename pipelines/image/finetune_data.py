@@ -27,8 +27,9 @@ import numpy as np
 from pipelines.core.errors import VitpipeError
 from pipelines.core.shards import split_of
 from pipelines.core.storage import open_store
-from pipelines.image.data import AugmentConfig, augment_patches, normalize, patches_array
+from pipelines.image.data import augment_patches, normalize, patches_array
 from pipelines.image.patches import patchify_batch, unpatchify
+from pipelines.training.recipe import AugmentConfig
 
 HOLDOUT_SALT = "finetune-holdout/"  # keys hashed with this salt pick the minival images
 Role = Literal["train", "val", "test"]

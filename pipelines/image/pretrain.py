@@ -14,6 +14,7 @@ its driver dies. A config whose run already finished is not trained again.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -29,8 +30,11 @@ from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.image.attention_map import log_attention_picture
 from pipelines.image.data import patch_dataset
-from pipelines.training.recipe import LoopSettings, TrainRecipe
+from pipelines.training.augment import augment_patch_batches
+from pipelines.training.hooks import LoopHooks
+from pipelines.training.recipe import AugmentConfig, LoopSettings, TrainRecipe
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, storage_location
+from pipelines.training.worker import Worker
 
 STAGE = "pretrain"
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
@@ -49,6 +53,9 @@ class PretrainConfig(TrainRecipe):
     model: str = "ViT-B/16"
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     augment: bool = True
+    # Where the random-resized crop and flip run: per image on the Ray Data CPU workers, or per batch on the
+    # training worker's device once the batch is there (a GPU then needs far fewer CPU cores to stay fed).
+    augment_on: Literal["cpu", "device"] = "cpu"
     eval_batch_size: int | None = Field(None, gt=0)
     # The paper's pretraining recipe where it differs from the shared defaults.
     num_workers: int = Field(2, gt=0)
@@ -144,12 +151,35 @@ def patch_datasets(config: PretrainConfig, settings: LoopSettings) -> dict[str, 
     Reproducible: every pass over the data has its own seeded file order and
     crops, chained into one dataset that covers the run.
     """
-    datasets = {"train": patch_dataset(config.data, "train", augment=config.augment, seed=config.seed,
+    on_device = config.augment and config.augment_on == "device"  # then the worker normalises the uint8 pixels too
+    datasets = {"train": patch_dataset(config.data, "train", augment=config.augment and not on_device, raw=on_device,
+                                       shuffle=config.augment, seed=config.seed,
                                        epochs=config.passes_over(settings.train_rows),
                                        endpoint_url=config.endpoint_url)}
     if settings.val_dataset:
         datasets["val"] = patch_dataset(config.data, "val", augment=False, shuffle=False, endpoint_url=config.endpoint_url)
     return datasets
+
+
+class PretrainHooks(LoopHooks):
+    """The default worker loop; with `aug`, each training batch is augmented on the worker's device."""
+
+    def __init__(self, aug: AugmentConfig | None, patch_size: int, grid: tuple[int, int]) -> None:
+        self.aug, self.patch_size, self.grid = aug, patch_size, grid
+
+    def train_batches(self, s: LoopSettings, worker: Worker, epoch: int, skip: int) -> Iterator[tuple[int, int, Any]]:
+        """The shard's batches, augmented on `worker.device` when the recipe asks for it there."""
+        batches = super().train_batches(s, worker, epoch, skip)
+        if self.aug is None:
+            return batches
+        return augment_patch_batches(batches, patch_size=self.patch_size, grid=self.grid, aug=self.aug, seed=s.seed,
+                                     rank=worker.rank, device=worker.device)
+
+
+def pretrain_hooks(config: PretrainConfig, manifest: dict[str, Any]) -> PretrainHooks:
+    """The hooks of a pretraining run: device-side augmentation when `augment_on` is "device"."""
+    on_device = config.augment and config.augment_on == "device"
+    return PretrainHooks(AugmentConfig() if on_device else None, manifest["patch_size"], tuple(manifest["grid"]))
 
 
 def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
@@ -195,6 +225,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
         trainer = build_trainer(
             settings.model_dump(mode="json"), run_name=run.name, location=storage_location(config), workers=config,
             max_failures=config.max_failures, keep=config.keep_last, datasets=patch_datasets(config, settings),
+            hooks=pretrain_hooks(config, manifest),
         )
         result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
         run.set_tags({"vitpipe.model_uri": log_outputs(client, run.run_id, result) or ""})

@@ -14,11 +14,22 @@ imports pydantic only: configs load and validate without torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Precision = Literal["auto", "bf16", "fp32"]
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Random-resized-crop and flip parameters (crop area fraction and aspect ratio ranges), wherever they run:
+    per image on the CPU data path, or per batch on the accelerator (`pipelines.training.augment`)."""
+
+    scale: tuple[float, float] = (0.25, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
 
 
 class Recipe(BaseModel):
