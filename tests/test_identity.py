@@ -219,3 +219,10 @@ def test_credentials_are_scrubbed_by_exact_name_and_by_secret_type():
             "class_token": True, "global_tokens": 4, "secret_sauce_depth": 2, "tokenizer": "bpe"}
     assert tracking.redact(tree) == {"db": {}, "class_token": True, "global_tokens": 4, "secret_sauce_depth": 2,
                                      "tokenizer": "bpe"}
+
+
+def test_a_pretrain_field_added_later_keeps_earlier_runs_identity_at_its_default():
+    base = pretrain.load_config({"data": "/data", "steps": 10, "warmup_steps": 1, "model_overrides": TINY})
+    assert not set(pretrain.LATER_FIELDS) & set(pretrain.run_identity(base, manifest_of(base)))
+    on_device = base.model_copy(update={"augment_on": "device"})
+    assert pretrain.run_identity(on_device, manifest_of(on_device))["augment_on"] == "device"

@@ -37,6 +37,8 @@ from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, 
 from pipelines.training.worker import Worker
 
 STAGE = "pretrain"
+# Fields added after runs were recorded: left out at their default, so those runs keep their identity.
+LATER_FIELDS = {"augment_on": "cpu"}
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
 NOT_IDENTITY = {
     "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
@@ -141,6 +143,9 @@ def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, 
     """The part of a config (plus the data's content hash) that decides what is trained: a function of the
     config and the manifest only, so it is known before anything runs."""
     tree = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
+    for name, default in LATER_FIELDS.items():
+        if tree.get(name) == default:
+            del tree[name]
     tree["data_content_hash"] = manifest.get("content_hash")
     return tree
 
