@@ -3,7 +3,7 @@
     python -m tests.multinode_driver {ingest|pretrain|finetune} CONFIG_JSON
 
 Prints one JSON line: the stage's result, and `train_nodes`, the node (its `worker_I`
-resource, or `head`) of every Ray Train worker this driver's job started, in start order.
+resource, or `head`) of every Ray Train worker this driver's job started.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ def node_names() -> dict[str, str]:
 
 
 def train_nodes(names: dict[str, str]) -> list[str]:
-    """Where this job's Ray Train workers ran (dead ones included), in the order they started."""
+    """Where each of this job's Ray Train workers ran (dead ones included)."""
     import ray
     from ray.util.state import list_actors
 
     job = ray.get_runtime_context().get_job_id()
     actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("job_id", "=", job)], detail=True,
                          limit=10_000, raise_on_missing_output=False)
-    return [names.get(a.node_id, a.node_id) for a in sorted(actors, key=lambda a: a.start_time_ms or 0)]
+    return [names.get(a.node_id, a.node_id) for a in actors]
 
 
 def run_stage(stage: str, config: dict[str, Any]) -> Any:
