@@ -4,6 +4,7 @@
 #
 #   cluster/local_cluster.sh start [N]   # head + N workers (default 2); prints the addresses
 #   cluster/local_cluster.sh status
+#   cluster/local_cluster.sh kill-node I # SIGKILLs worker node I at once, as if its machine died
 #   cluster/local_cluster.sh stop        # stops this cluster's processes only
 #
 # Settings (environment):
@@ -11,6 +12,8 @@
 #   HEAD_CPUS=1 WORKER_CPUS=1           logical CPUs per node (tests keep these small)
 #   OBJECT_STORE_MB=256                 object store per node (Ray's default of 30% of RAM
 #                                       per node would overcommit /dev/shm N+1 times)
+#   WORKER_RESOURCES='{"slot": 1}'      extra custom resources of every worker node (JSON object),
+#                                       e.g. to place one training worker per node
 #   RAY_TMP=/tmp/vitpipe-ray-$RAY_PORT  this cluster's temp dir; `stop` finds its processes by it
 #
 # Token authentication stays on (RAY_AUTH_MODE=token): the token is Ray's usual one
@@ -23,9 +26,13 @@ DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
 HEAD_CPUS="${HEAD_CPUS:-1}"
 WORKER_CPUS="${WORKER_CPUS:-1}"
 OBJECT_STORE_MB="${OBJECT_STORE_MB:-256}"
+WORKER_RESOURCES="${WORKER_RESOURCES:-}"
 RAY_TMP="${RAY_TMP:-/tmp/vitpipe-ray-${RAY_PORT}}"
 HOST=127.0.0.1  # loopback only: without it Ray binds the machine's external interface
 export RAY_AUTH_MODE=token
+# Train V2's placement-group cleaner finds the state API through this; left to guess, with other
+# Ray clusters on the machine it can pick another cluster's, and finished runs' groups then leak.
+export RAY_API_SERVER_ADDRESS="http://$HOST:$DASHBOARD_PORT"
 
 die() { echo "local_cluster: $*" >&2; exit 1; }
 
@@ -51,6 +58,14 @@ cluster_pids() {
   done
 }
 
+worker_resources() {
+  # {"worker_I": 1} plus WORKER_RESOURCES' entries.
+  local extra="${WORKER_RESOURCES// /}"
+  [[ -z "$extra" || "$extra" =~ ^\{.*\}$ ]] || die "WORKER_RESOURCES must be a JSON object, got '$WORKER_RESOURCES'"
+  extra="${extra#\{}"; extra="${extra%\}}"
+  echo "{\"worker_$1\": 1${extra:+, $extra}}"
+}
+
 start() {
   local workers="${1:-2}" i
   [[ "$workers" =~ ^[0-9]+$ ]] || die "worker count must be a number, got '$workers'"
@@ -62,7 +77,9 @@ start() {
   # The dashboard stays on: it serves the Jobs API, and Ray Train V2 needs its state API.
   # Every node's dashboard agent (which runs submitted jobs) gets a free port: the fixed default
   # (52365) is taken by any other Ray on the machine, and the Jobs API then has no agent.
-  ray start --head --node-ip-address="$HOST" --port="$RAY_PORT" \
+  # Every node starts in a session of its own (setsid), as on its own machine: its raylet's
+  # process group is then that node's alone, and `kill-node` can take it down without the others.
+  setsid ray start --head --node-ip-address="$HOST" --port="$RAY_PORT" \
     --include-dashboard=true --dashboard-host="$HOST" --dashboard-port="$DASHBOARD_PORT" \
     --num-cpus="$HEAD_CPUS" --object-store-memory="$mem" --resources='{"head": 1}' \
     --dashboard-agent-listen-port="$(free_port)" \
@@ -70,8 +87,8 @@ start() {
   for ((i = 1; i <= workers; i++)); do
     # Each worker node gets its own temp dir: nodes sharing one would share runtime_resources/,
     # and a worker's runtime-env agent then deletes a job's working_dir under the head's driver.
-    ray start --address="$HOST:$RAY_PORT" --node-ip-address="$HOST" \
-      --num-cpus="$WORKER_CPUS" --object-store-memory="$mem" --resources="{\"worker_$i\": 1}" \
+    setsid ray start --address="$HOST:$RAY_PORT" --node-ip-address="$HOST" \
+      --num-cpus="$WORKER_CPUS" --object-store-memory="$mem" --resources="$(worker_resources "$i")" \
       --dashboard-agent-listen-port="$(free_port)" \
       --temp-dir="$RAY_TMP/worker-$i" --disable-usage-stats >> "$RAY_TMP/start.log"
   done
@@ -79,7 +96,30 @@ start() {
   echo "Ray cluster up: head + $workers worker node(s) on $HOST"
   echo "  RAY_ADDRESS=$HOST:$RAY_PORT"
   echo "  dashboard / Jobs API: http://$HOST:$DASHBOARD_PORT"
-  echo "  node resources: head, worker_1 .. worker_$workers"
+  echo "  node resources: head, worker_1 .. worker_$workers${WORKER_RESOURCES:+ (each also $WORKER_RESOURCES)}"
+}
+
+raylet_pid() {
+  # The raylet whose arguments hold worker node $1's temp dir.
+  local f pid
+  for f in /proc/[0-9]*/cmdline; do
+    pid="${f#/proc/}"; pid="${pid%/cmdline}"
+    if tr '\0' ' ' < "$f" 2> /dev/null | grep -qE -- "/raylet/raylet .*=${RAY_TMP}/worker-$1/"; then echo "$pid"; return; fi
+  done
+}
+
+kill_node() {
+  local i="${1:-}" raylet pgid children
+  [[ "$i" =~ ^[0-9]+$ ]] || die "kill-node needs a worker node number, got '$i'"
+  raylet="$(raylet_pid "$i")"
+  [[ -n "$raylet" ]] || die "no raylet of worker node $i runs with temp dir $RAY_TMP"
+  pgid="$(ps -o pgid= -p "$raylet" | tr -d ' ')"
+  [[ "$pgid" != "$(ps -o pgid= -p $$ | tr -d ' ')" ]] || die "worker node $i shares this shell's process group"
+  # Ray's workers each lead a process group of their own: they go in the same instant as the raylet's group.
+  children="$(ps -o pid= --ppid "$raylet" | tr -s ' \n' ' ')"
+  # shellcheck disable=SC2086  # one pid per word
+  kill -KILL -- "-$pgid" $children 2> /dev/null || true
+  echo "killed worker node $i (raylet $raylet, process group $pgid)"
 }
 
 status() {
@@ -105,6 +145,7 @@ stop() {
 case "${1:-}" in
   start) shift; start "$@" ;;
   status) status ;;
+  kill-node) shift; kill_node "$@" ;;
   stop) stop ;;
-  *) echo "usage: $0 start [N] | status | stop" >&2; exit 2 ;;
+  *) echo "usage: $0 start [N] | status | kill-node I | stop" >&2; exit 2 ;;
 esac

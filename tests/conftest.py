@@ -40,9 +40,10 @@ REGION = "us-east-1"
 
 # moto's own server entry point with two wire-level fixes, so the server behaves
 # like S3 for the clients we use:
-# * werkzeug's `request.url` percent-decodes the query ("prefix=a%2F" -> "prefix=a/"),
-#   so moto's signature check fails for any listing whose prefix holds a "/".
-#   Hand moto the URL with the query string as sent.
+# * werkzeug's `request.url` percent-decodes the path and the query ("prefix=a%2F" -> "prefix=a/",
+#   "lr%3D0.1" -> "lr=0.1"), so moto's signature check fails for any listing whose prefix holds a
+#   "/" and for any key with a character that clients encode (Tune's trial dirs hold "=").
+#   Hand moto the URL as sent.
 # * moto answers CompleteMultipartUpload with a <CompleteMultipartUploadResponse>
 #   root where S3 sends <CompleteMultipartUploadResult>; boto3 does not mind, but
 #   the AWS C++ SDK inside pyarrow (Ray Train's checkpoint uploads) rejects it.
@@ -53,8 +54,7 @@ from moto.server import main
 from werkzeug.wrappers import Request
 
 def _url_as_sent(self):
-    query = self.query_string.decode("latin-1")
-    return f"{self.base_url}?{query}" if query else self.base_url
+    return self.host_url.rstrip("/") + self.environ["RAW_URI"]  # werkzeug's server: path and query as sent
 
 Request.url = property(_url_as_sent)
 

@@ -1,0 +1,69 @@
+"""A stage driver for the multi-node proofs (tests/test_multinode.py): one stage on the cluster at $RAY_ADDRESS.
+
+    python -m tests.multinode_driver {ingest|pretrain|finetune} CONFIG_JSON
+
+Prints one JSON line: the stage's result, and `train_nodes`, the node (its `worker_I`
+resource, or `head`) of every Ray Train worker this driver's job started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from typing import Any
+
+
+def node_names() -> dict[str, str]:
+    """Node id -> the node's name in the local cluster (`head`, `worker_1`, ...), read while every node is alive."""
+    import ray
+
+    names = {}
+    for node in ray.nodes():
+        named = [r for r in node["Resources"] if r == "head" or re.fullmatch(r"worker_\d+", r)]
+        names[node["NodeID"]] = named[0] if named else node["NodeID"]
+    return names
+
+
+def train_nodes(names: dict[str, str]) -> list[str]:
+    """Where each of this job's Ray Train workers ran (dead ones included)."""
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("job_id", "=", job)], detail=True,
+                         limit=10_000, raise_on_missing_output=False)
+    return [names.get(a.node_id, a.node_id) for a in actors]
+
+
+def run_stage(stage: str, config: dict[str, Any]) -> Any:
+    """Run one stage from its config fields; returns its result model."""
+    if stage == "ingest":
+        from pipelines.image.ingest import IngestConfig, run_ingest
+
+        return run_ingest(IngestConfig(**config))
+    if stage == "pretrain":
+        from pipelines.image.pretrain import PretrainConfig, run_pretrain
+
+        return run_pretrain(PretrainConfig(**config))
+    if stage == "finetune":
+        from pipelines.image.finetune import FinetuneConfig, run_finetune
+
+        return run_finetune(FinetuneConfig(**config))
+    raise SystemExit(f"unknown stage {stage!r}: ingest, pretrain or finetune")
+
+
+def main() -> None:
+    import ray
+
+    stage, config = sys.argv[1], json.loads(sys.argv[2])
+    ray.init(_node_ip_address="127.0.0.1")  # $RAY_ADDRESS, joined as the head's loopback address it runs on
+    names = node_names()
+    result = run_stage(stage, config)
+    fields = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result.model_dump(mode="json")
+    print(json.dumps({"result": fields, "train_nodes": train_nodes(names)}, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()
