@@ -19,7 +19,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipelines.core import registry
-from tests.multinode_fixtures import REPO, finish, nodes_cluster  # noqa: F401
+from tests.multinode_fixtures import REPO, nodes_cluster  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 
