@@ -68,6 +68,11 @@ class PretrainConfig(TrainRecipe):
     eval_interval: int = Field(1000, ge=0)  # 0: only at the end
     checkpoint_interval: int = Field(1000, ge=0)  # 0: only at the end
 
+    @property
+    def augments_on_device(self) -> bool:
+        """Whether the training worker crops and flips each batch on its device (and normalises it there)."""
+        return self.augment and self.augment_on == "device"
+
 
 class PretrainResult(BaseModel):
     """What the stage hands to the next one."""
@@ -156,7 +161,7 @@ def patch_datasets(config: PretrainConfig, settings: LoopSettings) -> dict[str, 
     Reproducible: every pass over the data has its own seeded file order and
     crops, chained into one dataset that covers the run.
     """
-    on_device = config.augment and config.augment_on == "device"  # then the worker normalises the uint8 pixels too
+    on_device = config.augments_on_device  # then the worker normalises the uint8 pixels too
     datasets = {"train": patch_dataset(config.data, "train", augment=config.augment and not on_device, raw=on_device,
                                        shuffle=config.augment, seed=config.seed,
                                        epochs=config.passes_over(settings.train_rows),
@@ -183,8 +188,8 @@ class PretrainHooks(LoopHooks):
 
 def pretrain_hooks(config: PretrainConfig, manifest: dict[str, Any]) -> PretrainHooks:
     """The hooks of a pretraining run: device-side augmentation when `augment_on` is "device"."""
-    on_device = config.augment and config.augment_on == "device"
-    return PretrainHooks(AugmentConfig() if on_device else None, manifest["patch_size"], tuple(manifest["grid"]))
+    aug = AugmentConfig() if config.augments_on_device else None
+    return PretrainHooks(aug, manifest["patch_size"], tuple(manifest["grid"]))
 
 
 def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
