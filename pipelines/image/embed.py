@@ -46,13 +46,13 @@ from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store, parse_uri
 from pipelines.core.uris import strip_userinfo
 from pipelines.image.data import normalize, patches_array
+from pipelines.image.embeddings import FORMAT, rows_hash, schema
 from pipelines.image.finetune_data import resize_patches
 from pipelines.image.frozen_model import load_frozen_model
 from pipelines.training.step import resolve_precision
 
 logger = logging.getLogger(__name__)
 STAGE = "embed"
-FORMAT = "vitpipe-embeddings/1"
 # Fields that do not change the embeddings stored, so they stay out of the run's identity. `num_gpus` enters
 # as the device it resolves to; `data` as the source's content hash; `init` also as the weights' hash.
 NOT_IDENTITY = {
@@ -63,7 +63,7 @@ NOT_IDENTITY = {
 # What decides the rows written (the output's fingerprint): not where they go or how the run is named.
 CONTENT = ("format", "data", "weights", "model_config", "resolution", "precision", "device")
 
-__all__ = ["FORMAT", "NOT_IDENTITY", "EmbedConfig", "EmbedResult", "PooledFeatures", "load_config", "run_embed",
+__all__ = ["NOT_IDENTITY", "EmbedConfig", "EmbedResult", "PooledFeatures", "load_config", "run_embed",
            "run_identity"]
 
 
@@ -122,30 +122,20 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: An
     return load_stage_config(EmbedConfig, STAGE, source, overrides)
 
 
-def schema(dim: int, labeled: bool) -> pa.Schema:
-    """The embedding shards' schema."""
-    return pa.schema([
-        pa.field("key", pa.string(), nullable=False),
-        pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
-        *([pa.field("label", pa.int32(), nullable=False)] if labeled else []),
-        pa.field("split", pa.string(), nullable=False),
-    ])
-
-
 # ---------------------------------------------------------------- the actors
 
 
 class PooledFeatures:
     """Ray Data UDF (one per actor): ingest rows → `key`, `embedding`, [`label`,] `split`, `path` rows."""
 
-    def __init__(self, model: list[Any], layout: dict[str, Any], size: int, bf16: bool, threads: int,
+    def __init__(self, model: list[Any], layout: dict[str, Any], size: int, device: str, bf16: bool, threads: int,
                  labeled: bool) -> None:
         import ray
         import torch
 
         torch.set_num_threads(threads)
         ref = model[0]  # in a list, so Ray hands over the reference and the actor fetches the model once
-        self.device = torch.device("cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu")
+        self.device = torch.device(device)  # "cuda": Ray gave this actor a GPU and set CUDA_VISIBLE_DEVICES to it
         self.model = (ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref).eval().to(self.device)
         self.layout, self.size, self.bf16, self.labeled = layout, size, bf16, labeled
 
@@ -295,10 +285,7 @@ def _compute(work: _Work, source: Any, out: Any, keys: list[str]) -> dict[str, d
     """Embeddings of the ingest shards `keys` on the actor pool; each shard is written once all its rows came."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
-    import ray
-    import ray.data
 
-    config, manifest = work.config, work.manifest
     filesystem, _ = source.arrow()
     paths = {key: source.arrow(key)[1] for key in keys}
     expected = {key: pq.read_metadata(path, filesystem=filesystem).num_rows for key, path in paths.items()}
@@ -306,19 +293,9 @@ def _compute(work: _Work, source: Any, out: Any, keys: list[str]) -> dict[str, d
     parts: dict[str, list[pa.Table]] = {key: [] for key in keys}
     got: Counter[str] = Counter()
     summaries = {key: _write(work, out, key, []) for key in keys if expected[key] == 0}
-    layout = {k: manifest[k] for k in ("patch_size", "image_size", "grid", "num_patches", "patch_dim")}
-    columns = ["patches", "key", "split", *(["label"] if work.labeled else [])]
-    ds = (ray.data.read_parquet([paths[k] for k in keys if expected[k]], filesystem=filesystem, include_paths=True)
-          .select_columns([*columns, "path"]))
-    ds = ds.map_batches(
-        PooledFeatures, fn_constructor_kwargs=dict(
-            model=[ray.put(work.model)], layout=layout, size=work.identity["resolution"],
-            bf16=work.identity["precision"] == "bf16", threads=max(1, round(config.cpus_per_worker)),
-            labeled=work.labeled),
-        batch_size=config.batch_size, batch_format="pyarrow", concurrency=config.num_workers,
-        num_cpus=config.cpus_per_worker, num_gpus=work.gpus,
-    )
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+    nonempty = [paths[k] for k in keys if expected[k]]
+    batches = _embedded_batches(work, nonempty, filesystem) if nonempty else []
+    for batch in batches:
         for name in set(batch.column("path").to_pylist()):
             key = by_name[name]
             part = batch.filter(pc.equal(batch.column("path"), name)).drop_columns(["path"])
@@ -332,14 +309,25 @@ def _compute(work: _Work, source: Any, out: Any, keys: list[str]) -> dict[str, d
     return summaries
 
 
-def rows_hash(table: pa.Table) -> str:
-    """sha256 over an embedding shard's rows: keys, labels and splits, then the float32 embeddings."""
-    h = hashlib.sha256()
-    meta = [table.column(name).to_pylist() for name in ("key", "label", "split") if name in table.column_names]
-    h.update(json.dumps(meta).encode())
-    values = table.column("embedding").combine_chunks().flatten() if table.num_rows else pa.array([], pa.float32())
-    h.update(values.to_numpy(zero_copy_only=False).astype(np.float32).tobytes())
-    return h.hexdigest()
+def _embedded_batches(work: _Work, paths: list[str], filesystem: Any) -> Any:
+    """The embedding rows of the ingest shards at `paths` (with each row's shard `path`), as the actor pool
+    streams them back."""
+    import ray
+    import ray.data
+
+    config, manifest = work.config, work.manifest
+    layout = {k: manifest[k] for k in ("patch_size", "image_size", "grid", "num_patches", "patch_dim")}
+    columns = ["patches", "key", "split", *(["label"] if work.labeled else [])]
+    ds = ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True).select_columns([*columns, "path"])
+    ds = ds.map_batches(
+        PooledFeatures,
+        fn_constructor_kwargs=dict(model=[ray.put(work.model)], layout=layout, size=work.identity["resolution"],
+                                   device=work.identity["device"], bf16=work.identity["precision"] == "bf16",
+                                   threads=max(1, round(config.cpus_per_worker)), labeled=work.labeled),
+        batch_size=config.batch_size, batch_format="pyarrow", concurrency=config.num_workers,
+        num_cpus=config.cpus_per_worker, num_gpus=work.gpus,
+    )
+    return ds.iter_batches(batch_format="pyarrow", batch_size=None)
 
 
 def _write(work: _Work, out: Any, key: str, parts: list[pa.Table]) -> dict[str, Any]:
