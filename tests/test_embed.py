@@ -32,8 +32,9 @@ TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return vit.create_model("ViT-Ti/4", image_size=16, num_classes=4, **TINY)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return vit.create_model("ViT-Ti/4", image_size=16, num_classes=4, **TINY)
 
 
 def logged_run(tmp: Path, tracking_uri: str, seed: int) -> str:
