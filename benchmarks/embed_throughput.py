@@ -11,7 +11,8 @@ Two ways of embedding every image, taking turns for `--rounds` rounds after one
 warm-up of each (medians quoted):
 
 * `stage`: `run_embed` with `force` (every shard recomputed) on a local Ray cluster of
-  `--cpus` CPUs: one actor of `--cpus` CPUs (as many torch threads), batches of 64.
+  `--cpus` + 1 logical CPUs: one actor of `--cpus` CPUs (as many torch threads), batches of 64,
+  and the extra one for the tasks that read the shards.
   Its figure is the stage's own `images_per_s`: the images over the whole
   computation, reading the shards, starting the actor and shipping the model included;
 * `direct`: the same images, already decoded and normalised in memory, through
@@ -83,7 +84,8 @@ def main() -> None:
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(args.cpus)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # One logical CPU more than the actor takes: the tasks reading the shards need one (they use little).
+    ray.init(num_cpus=args.cpus + 1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         data = ingest(tmp, args.images, args.image_size)
