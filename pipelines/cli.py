@@ -236,6 +236,12 @@ def finetune(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Option
     _run_stage("finetune", config, sets, ray_address)
 
 
+@app.command("embed")
+def embed(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Optional[str] = _RAY) -> None:
+    """Store the pooled features of every image of an ingest output (Ray Data on an actor pool), tracked in MLflow."""
+    _run_stage("embed", config, sets, ray_address)
+
+
 @app.command("video-train")
 def video_train(config: str = _CONFIG, sets: list[str] = _SETS, ray_address: Optional[str] = _RAY) -> None:
     """Train a VTN on a video ingest output (backbone from a pretrain run), evaluate full-video and multi-view."""

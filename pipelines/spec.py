@@ -14,7 +14,7 @@ A stage is `kind`, `inputs` (upstream stage names, or existing MLflow run ids /
 stage registry (`pipelines.stages`) says which field each input fills (e.g.
 pretrain's `data` from its ingest input, fine-tune's `init` from its pretrain
 input); the pipeline fills `tracking_uri`/`experiment` for every stage
-and, unless a stage sets them, `endpoint_url`, ingest's `output`
+and, unless a stage sets them, `endpoint_url`, ingest's and embed's `output`
 (`<root>/data/<stage>`) and pretrain/fine-tune's `storage` (`<root>/runs`).
 Everything is checked by `load_spec` before anything runs; a problem is one
 `SpecError` line naming the file, the stage and the field.
@@ -205,7 +205,7 @@ class PipelineSpec(BaseModel):
         if "://" not in root:
             root = os.path.abspath(os.path.expanduser(root))  # Ray workers run in other directories
         placed = {
-            "output": f"{root}/data/{name}",  # ingest
+            "output": f"{root}/data/{name}",  # ingest, embed
             "storage": f"{root}/runs",  # pretrain, fine-tune: Ray Train checkpoints
             "endpoint_url": self.storage.endpoint_url,
         }

@@ -89,6 +89,12 @@ def _evaluate() -> Loaded:
     return evaluate.EvaluateConfig, evaluate.run_evaluate
 
 
+def _embed() -> Loaded:
+    from pipelines.image import embed  # deferred: stage modules import torch and Ray
+
+    return embed.EmbedConfig, embed.run_embed
+
+
 def _video_ingest() -> Loaded:
     from pipelines.video import ingest  # deferred: stage modules import torch and Ray
 
@@ -131,6 +137,10 @@ def _evaluate_metric(result: Any) -> str:
     return " ".join(f"{k}-shot={v:.3f}" for k, v in sorted(result.accuracy.items()))
 
 
+def _embed_metric(result: Any) -> str:
+    return f"images={result.counts['images']} embedding_dim={result.manifest['embedding_dim']}"
+
+
 def _video_train_metric(result: Any) -> str:
     return " ".join(f"{key}={result.metrics[key]:.4f}" for key in ("full_video_top1", "multiview_top1")
                     if key in result.metrics)
@@ -147,6 +157,10 @@ STAGES: dict[str, Stage] = {
     "evaluate": Stage(_evaluate, {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
                                   "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
                       _evaluate_metric, takes_ray_address=False),
+    # The pooled features of every image of an ingest output, from a pretrain or fine-tune run (or any reference).
+    "embed": Stage(_embed, {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                            "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
+                   _embed_metric, takes_force=True),
     "video_ingest": Stage(_video_ingest, {}, _counted("videos"), shards=True, takes_ray_address=False,
                           takes_force=True, from_file=False),
     # Per-frame features of a video ingest output, from the backbone of a pretrain run (or any run/model reference).

@@ -24,7 +24,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 import vit
 from pipelines.core import ingest as core_ingest
 from pipelines.core import tracking
-from pipelines.image import evaluate, finetune, pretrain
+from pipelines.image import embed, evaluate, finetune, pretrain
 from pipelines.image.ingest import IngestConfig
 from pipelines.stages import STAGES
 from pipelines.training.step import resolve_precision
@@ -68,6 +68,18 @@ def features_identity(config: features.VideoFeaturesConfig) -> dict[str, Any]:
     return features.run_identity(config, manifest, backbone, initial.frame_size, bf16)
 
 
+def embed_identity(config: embed.EmbedConfig) -> dict[str, Any]:
+    """The embed stage's identity, with stand-ins for what it resolves: the weights' hash (following `init`,
+    or the scratch model's fields), the model's config, the resolution, device and precision."""
+    drawn = config.init or f"scratch:{config.model}:{sorted(config.model_overrides.items())}:{config.seed}"
+    weights = "sha256:" + hashlib.sha256(drawn.encode()).hexdigest()
+    model_config = {"name": config.model, **config.model_overrides}
+    device = "cuda" if config.num_gpus else "cpu"
+    precision = "bf16" if config.precision == "bf16" else "fp32"
+    return embed.run_identity(config, manifest_of(config), weights, model_config, config.resolution or 16,
+                              precision, device)
+
+
 @dataclass
 class Case:
     """A stage's config model, a valid base config, its identity function and its non-identity list."""
@@ -104,6 +116,8 @@ def cases() -> dict[str, list[Case]]:
         "evaluate": [Case(evaluate.EvaluateConfig, {"data": "/data", "init": RUN_A},
                           lambda c: evaluate.run_identity(c, manifest_of(c), source_run(c.init), c.resolution or 16),
                           evaluate.NOT_IDENTITY)],
+        "embed": [Case(embed.EmbedConfig, {"data": "/data", "output": "/embeddings", "model": "ViT-Ti/16",
+                                           "model_overrides": TINY}, embed_identity, embed.NOT_IDENTITY)],
         "video_train": [Case(video_train.VideoTrainConfig, {**video, "steps": 10, "warmup_steps": 1},
                              lambda c: video_train.run_identity(c, manifest_of(c)), video_train.NOT_IDENTITY)],
         "video_features": [Case(features.VideoFeaturesConfig, {**video, "output": "/features"}, features_identity,

@@ -132,7 +132,7 @@ def test_stage_model_check_names_the_stage(tmp_path: Path) -> None:
 def test_unknown_kind(tmp_path: Path) -> None:
     message = bad(tmp_path, "probe: {kind: evaluate", "probe: {kind: evaluation")
     assert ("stage 'probe' field 'kind': Input should be 'ingest', 'pretrain', 'finetune', 'evaluate', "
-            "'video_ingest', 'video_features' or 'video_train'") in message
+            "'embed', 'video_ingest', 'video_features' or 'video_train'") in message
 
 
 def test_missing_kind(tmp_path: Path) -> None:
@@ -238,7 +238,8 @@ def test_config_for_fills_inputs_from_upstream_results(tmp_path: Path) -> None:
 
 def test_input_table_covers_every_kind() -> None:
     inputs = {kind: stage.inputs for kind, stage in STAGES.items()}
-    assert set(inputs) == {"ingest", "pretrain", "finetune", "evaluate", "video_ingest", "video_features", "video_train"}
+    assert set(inputs) == {"ingest", "pretrain", "finetune", "evaluate", "embed", "video_ingest", "video_features",
+                           "video_train"}
     assert inputs["pretrain"]["ingest"].field == "data" and inputs["finetune"]["pretrain"].field == "init"
     assert inputs["video_train"]["video_ingest"].field == "data" and inputs["video_train"]["pretrain"].field == "init"
 

@@ -31,8 +31,8 @@ from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.finetune_data import DataSpec, decode_batch, iter_rows
+from pipelines.image.frozen_model import load_frozen_model
 from pipelines.core.shards import class_names
-from pipelines.training.starting_weights import fetch_starting_weights, init_kind
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -224,22 +224,6 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> EvaluateResult:
     )
 
 
-def _starting_model(config: EvaluateConfig, manifest: dict[str, Any], tracking_uri: str) -> tuple[Any, int]:
-    """The weights to evaluate (`fetch_starting_weights`' result) and the resolution they are evaluated at."""
-    overrides = dict(config.model_overrides)
-    if init_kind(config.init) in ("scratch", "foreign"):
-        overrides.setdefault("image_size", manifest["image_size"])
-    start = fetch_starting_weights(config.init, model_name=config.model, model_overrides=overrides,
-                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url)
-    base = start.model
-    if base.config.pixel_patch_size != manifest["patch_size"] or base.config.patch_dim != manifest["patch_dim"]:
-        raise ValueError(f"model reads {base.config.pixel_patch_size}-pixel patches, but {config.data} holds {manifest['patch_size']}-pixel patches")
-    size = config.resolution or base.config.image_hw[0]
-    if size % manifest["patch_size"]:
-        raise ValueError(f"resolution {size} is not a multiple of the patch size {manifest['patch_size']}")
-    return start, size
-
-
 def _log_table(client: Any, run_id: str, table: dict[int, list[float]], num_classes: int) -> None:
     """The few-shot table as metrics (mean and std per k, and chance) and as `fewshot_table.json`."""
     metrics = {"chance_top1": 1.0 / num_classes}
@@ -271,7 +255,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-    start, size = _starting_model(config, manifest, tracking_uri)
+    start, size = load_frozen_model(config, manifest, tracking_uri)
     identity = run_identity(config, manifest, start.source_run_id, size)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),

@@ -1,0 +1,142 @@
+"""The embed stage on the session's real local Ray: pooled features of every image of an ingest output.
+
+The data are the session's tiny ingest output (`tiny_dataset`: 120 fractal images,
+16×16, patch 4, in shards); the model is a tiny ViT logged as a pretrain run leaves
+it (`checkpoints/final` of an MLflow run in a SQLite store under the module's tmp).
+One embedding run is shared by the tests that read it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+import vit
+from pipelines.core import shards, tracking
+from pipelines.core.storage import open_store
+from pipelines.image.data import normalize, patches_array
+from pipelines.image.embed import EmbedConfig, run_embed
+from pipelines.image.embeddings import embedding_matrix, read_embeddings
+from pipelines.runner import run_pipeline
+from pipelines.spec import load_spec
+
+TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return vit.create_model("ViT-Ti/4", image_size=16, num_classes=4, **TINY)
+
+
+def logged_run(tmp: Path, tracking_uri: str, seed: int) -> str:
+    """A tiny ViT as a pretrain run leaves it: `checkpoints/final` of a finished MLflow run; returns the run id."""
+    checkpoint = vit.save_checkpoint(tiny_model(seed), tmp / f"checkpoint-{seed}")
+    client = MlflowClient(tracking_uri)
+    run_id = client.create_run(tracking.get_or_create_experiment(client, "embed-models"),
+                               tags={tracking.TAG_STAGE: "pretrain"}).info.run_id
+    tracking.log_checkpoint_dir(client, run_id, checkpoint, "checkpoints/final")
+    client.set_terminated(run_id)
+    return run_id
+
+
+def stored_rows(uri: str) -> pa.Table:
+    """Every row of an ingest output (`patches`, `label`, `key`, `split`), in key order."""
+    store = open_store(uri)
+    manifest = shards.read_manifest(store)
+    return pa.concat_tables([pq.read_table(path, filesystem=fs) for fs, path in
+                             (store.arrow(s["path"]) for s in manifest["shards"])]).sort_by("key")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("embed")
+    tracking_uri = f"sqlite:///{tmp}/mlflow.db"
+    return {"tmp": str(tmp), "tracking_uri": tracking_uri, "run_id": logged_run(tmp, tracking_uri, seed=0)}
+
+
+@pytest.fixture(scope="module")
+def embedded(ray_cluster, tiny_dataset, setup):
+    config = EmbedConfig(data=tiny_dataset, output=f"{setup['tmp']}/embeddings", init=setup["run_id"],
+                         precision="fp32", batch_size=16, tracking_uri=setup["tracking_uri"], experiment="embed-tests")
+    return config, run_embed(config)
+
+
+def test_output_rows_are_the_models_pooled_features_of_the_same_images(embedded, tiny_dataset):
+    config, _ = embedded
+    source = stored_rows(tiny_dataset)
+    patches = normalize(patches_array(source.column("patches"), 16, 48))
+    with torch.inference_mode():
+        expected = tiny_model(seed=0).eval().pooled_features(torch.from_numpy(patches)).numpy()
+    manifest, table = read_embeddings(config.output)
+    assert table.column("key").to_pylist() == source.column("key").to_pylist()
+    assert manifest["embedding_dim"] == 32 and table.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    np.testing.assert_allclose(embedding_matrix(table), expected, rtol=0, atol=1e-5)
+
+
+def test_output_rows_carry_the_ingests_labels_and_splits(embedded, tiny_dataset):
+    config, _ = embedded
+    source = stored_rows(tiny_dataset)
+    _, table = read_embeddings(config.output)
+    assert table.column("label").to_pylist() == source.column("label").to_pylist()
+    assert table.column("split").to_pylist() == source.column("split").to_pylist()
+
+
+def test_the_run_records_its_params_row_count_speed_and_the_model_it_came_from(embedded, setup):
+    config, result = embedded
+    run = MlflowClient(setup["tracking_uri"]).get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags[tracking.TAG_STAGE] == "embed"
+    assert run.data.tags["vitpipe.pretrain_run_id"] == setup["run_id"]
+    assert run.data.params["precision"] == "fp32" and run.data.params["resolution"] == "16"
+    assert run.data.metrics["images"] == 120 and run.data.metrics["images_per_s"] > 0
+
+
+def test_a_rerun_with_the_same_model_and_data_reuses_the_output_and_the_run(embedded):
+    config, first = embedded
+    again = run_embed(config)
+    assert again.reused and again.run_id == first.run_id and again.shards_written == 0
+    assert again.manifest["content_hash"] == first.manifest["content_hash"]
+
+
+def test_another_model_is_not_reused_from_a_finished_output(embedded, setup):
+    config, first = embedded
+    copy = shutil.copytree(config.output, Path(setup["tmp"]) / "copy")  # the first model's finished output
+    other = logged_run(Path(setup["tmp"]), setup["tracking_uri"], seed=1)
+    changed = run_embed(config.model_copy(update={"init": other, "output": str(copy)}))
+    assert not changed.reused and changed.run_id != first.run_id
+    assert changed.shards_written == len(first.manifest["shards"]) and changed.shards_reused == 0
+    assert changed.manifest["content_hash"] != first.manifest["content_hash"]
+
+
+def test_a_spec_with_an_embed_stage_runs_through_the_runner(ray_cluster, setup, tmp_path):
+    from pipelines.corpora.images import synth_corpus
+
+    synth_corpus(str(tmp_path / "corpus"), images=24, classes=2, size=16, seed=5)
+    checkpoint = vit.save_checkpoint(tiny_model(seed=2), tmp_path / "checkpoint")
+    spec = {"name": "embed-spec", "storage": {"root": str(tmp_path / "work")},
+            "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "embed-spec",
+            "stages": {"corpus": {"kind": "ingest", "source": str(tmp_path / "corpus"), "image_size": 16,
+                                  "patch_size": 4, "shard_size": 8},
+                       "vectors": {"kind": "embed", "inputs": ["corpus"], "init": str(checkpoint),
+                                   "batch_size": 8}}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    result = run_pipeline(load_spec(str(tmp_path / "spec.yaml")))
+    assert [(r.stage, r.status) for r in result.rows] == [("corpus", "done"), ("vectors", "done")]
+    manifest, table = read_embeddings(result.outputs["vectors"].output)
+    assert manifest["counts"]["images"] == table.num_rows == 24
+
+
+def test_actors_that_would_take_every_cpu_are_refused_in_one_line(ray_cluster, tiny_dataset, setup):
+    config = EmbedConfig(data=tiny_dataset, output=f"{setup['tmp']}/crowded", init=setup["run_id"], num_workers=4,
+                         tracking_uri=setup["tracking_uri"], experiment="embed-tests")
+    with pytest.raises(ValueError, match=r"^num_workers x cpus_per_worker: 4 CPUs for the actors leave none of the "
+                                         r"cluster's 4 to read the shards; ask for at most 3$"):
+        run_embed(config)
