@@ -103,7 +103,10 @@ def test_a_run_that_loses_a_node_resumes_from_its_s3_checkpoint_on_the_node_left
         driver.kill()
         print(driver.communicate()[0][-4000:])  # the driver's side of the story, shown with the failure
         raise
-    run = finish(driver, timeout=240)
+    try:
+        run = finish(driver, timeout=240)
+    finally:
+        nodes_cluster.start_node(lost)  # the other proofs need both worker nodes
     left = ({"worker_1", "worker_2"} - {lost}).pop()
     assert sorted(run["train_nodes"]) == sorted([lost, lost, left, left])  # the first group, then the restarted one
     client = MlflowClient(mlflow_server)
