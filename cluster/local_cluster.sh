@@ -5,6 +5,7 @@
 #   cluster/local_cluster.sh start [N]   # head + N workers (default 2); prints the addresses
 #   cluster/local_cluster.sh status
 #   cluster/local_cluster.sh kill-node I # SIGKILLs worker node I at once, as if its machine died
+#   cluster/local_cluster.sh start-node I # starts worker node I again (after kill-node), as a new node
 #   cluster/local_cluster.sh stop        # stops this cluster's processes only
 #
 # Settings (environment):
@@ -19,7 +20,7 @@
 # Token authentication stays on (RAY_AUTH_MODE=token): the token is Ray's usual one
 # (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), generated if there is none and
 # never printed. Clients (vitpipe submit, ray job submit) find it the same way.
-set -euo pipefail
+set -eEuo pipefail  # -E: a failure inside a function also runs `start`'s ERR trap
 
 RAY_PORT="${RAY_PORT:-6379}"
 DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
@@ -44,6 +45,8 @@ ensure_token() {
     ray get-auth-token --generate > /dev/null  # stdout is the token: keep it off the terminal
   fi
 }
+
+object_store_bytes() { echo $((OBJECT_STORE_MB * 1024 * 1024)); }
 
 free_port() {
   python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -72,7 +75,6 @@ start() {
   [[ -z "$(cluster_pids)" ]] || die "a cluster with temp dir $RAY_TMP is running; stop it first"
   ensure_token
   mkdir -p "$RAY_TMP"
-  local mem=$((OBJECT_STORE_MB * 1024 * 1024))
   trap 'echo "local_cluster: start failed (see $RAY_TMP/start.log); stopping what started" >&2; stop' ERR
   # The dashboard stays on: it serves the Jobs API, and Ray Train V2 needs its state API.
   # Every node's dashboard agent (which runs submitted jobs) gets a free port: the fixed default
@@ -81,22 +83,34 @@ start() {
   # process group is then that node's alone, and `kill-node` can take it down without the others.
   setsid ray start --head --node-ip-address="$HOST" --port="$RAY_PORT" \
     --include-dashboard=true --dashboard-host="$HOST" --dashboard-port="$DASHBOARD_PORT" \
-    --num-cpus="$HEAD_CPUS" --object-store-memory="$mem" --resources='{"head": 1}' \
+    --num-cpus="$HEAD_CPUS" --object-store-memory="$(object_store_bytes)" --resources='{"head": 1}' \
     --dashboard-agent-listen-port="$(free_port)" \
     --temp-dir="$RAY_TMP" --disable-usage-stats > "$RAY_TMP/start.log"
-  for ((i = 1; i <= workers; i++)); do
-    # Each worker node gets its own temp dir: nodes sharing one would share runtime_resources/,
-    # and a worker's runtime-env agent then deletes a job's working_dir under the head's driver.
-    setsid ray start --address="$HOST:$RAY_PORT" --node-ip-address="$HOST" \
-      --num-cpus="$WORKER_CPUS" --object-store-memory="$mem" --resources="$(worker_resources "$i")" \
-      --dashboard-agent-listen-port="$(free_port)" \
-      --temp-dir="$RAY_TMP/worker-$i" --disable-usage-stats >> "$RAY_TMP/start.log"
-  done
+  for ((i = 1; i <= workers; i++)); do start_worker "$i"; done
   trap - ERR
   echo "Ray cluster up: head + $workers worker node(s) on $HOST"
   echo "  RAY_ADDRESS=$HOST:$RAY_PORT"
   echo "  dashboard / Jobs API: http://$HOST:$DASHBOARD_PORT"
   echo "  node resources: head, worker_1 .. worker_$workers${WORKER_RESOURCES:+ (each also $WORKER_RESOURCES)}"
+}
+
+start_worker() {
+  # Each worker node gets its own temp dir: nodes sharing one would share runtime_resources/,
+  # and a worker's runtime-env agent then deletes a job's working_dir under the head's driver.
+  setsid ray start --address="$HOST:$RAY_PORT" --node-ip-address="$HOST" \
+    --num-cpus="$WORKER_CPUS" --object-store-memory="$(object_store_bytes)" \
+    --resources="$(worker_resources "$1")" --dashboard-agent-listen-port="$(free_port)" \
+    --temp-dir="$RAY_TMP/worker-$1" --disable-usage-stats >> "$RAY_TMP/start.log"
+}
+
+start_node() {
+  local i="${1:-}"
+  [[ "$i" =~ ^[0-9]+$ ]] || die "start-node needs a worker node number, got '$i'"
+  [[ -n "$(cluster_pids)" ]] || die "no cluster with temp dir $RAY_TMP runs; use start"
+  [[ -z "$(raylet_pid "$i")" ]] || die "worker node $i runs already"
+  ensure_token
+  start_worker "$i" || die "worker node $i did not start (see $RAY_TMP/start.log)"
+  echo "started worker node $i"
 }
 
 raylet_pid() {
@@ -146,6 +160,7 @@ case "${1:-}" in
   start) shift; start "$@" ;;
   status) status ;;
   kill-node) shift; kill_node "$@" ;;
+  start-node) shift; start_node "$@" ;;
   stop) stop ;;
-  *) echo "usage: $0 start [N] | status | kill-node I | stop" >&2; exit 2 ;;
+  *) echo "usage: $0 start [N] | status | kill-node I | start-node I | stop" >&2; exit 2 ;;
 esac

@@ -52,8 +52,15 @@ class NodesCluster:
 
     def kill_node(self, node: str) -> None:
         """SIGKILL every process of worker node `node` (`worker_I`) at once."""
-        subprocess.run([str(SCRIPT), "kill-node", node.removeprefix("worker_")], env=self.env, check=True,
-                       timeout=60, capture_output=True)
+        self._script("kill-node", node.removeprefix("worker_"))
+
+    def start_node(self, node: str) -> None:
+        """Start worker node `node` (`worker_I`) again after `kill_node`: a new node with the same resources."""
+        self._script("start-node", node.removeprefix("worker_"))
+
+    def _script(self, *args: str) -> None:
+        done = subprocess.run([str(SCRIPT), *args], env=self.env, timeout=300, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
 
 
 def finish(driver: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:

@@ -1,9 +1,15 @@
-"""Proof across nodes, on one machine: training, a sweep and a submitted pipeline on a real
+"""Proof across nodes, on one machine: training, node loss, a sweep and a submitted pipeline on a real
 multi-node Ray cluster (head + 2 worker nodes, token auth on), with storage on the S3 test server and
 tracking on a real `mlflow server`.
 
 One cluster serves the module (`tests/multinode_fixtures.py`). Stages run in driver processes on
 the head, which also report where Ray Train put their workers; the pipeline goes in as a job.
+
+Node loss uses a fixed worker count with `FailureConfig(max_failures)`, not Train V2's elastic
+`num_workers` range: a checkpoint resumes each rank's data position and random streams, and the
+driver fixes the global batch (workers × per-worker batch × accumulation), so a group of another
+size would neither continue the same streams nor keep the global batch. Half a slot per worker lets
+the restarted group of two fit on the worker node that is left.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipelines.core import registry
-from tests.multinode_fixtures import REPO, nodes_cluster  # noqa: F401  (a fixture)
+from tests.multinode_fixtures import REPO, finish, nodes_cluster, train_worker_node, wait_for_key  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 BUCKET = "multinode"
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64)
 ONE_SLOT = {"CPU": 1.0, "train_slot": 1.0}  # a worker node to itself: two such workers run on two nodes
+HALF_SLOT = {"CPU": 1.0, "train_slot": 0.5}  # two fit on one worker node (Ray packs them there)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +84,35 @@ def test_pretraining_on_two_nodes_reaches_the_weights_of_a_one_node_run(nodes_cl
     packed_weights = packed.state_dict()
     for name, value in spread.state_dict().items():
         torch.testing.assert_close(value, packed_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_run_that_loses_a_node_resumes_from_its_s3_checkpoint_on_the_node_left(nodes_cluster, fractals,  # noqa: F811
+                                                                                 s3_server, mlflow_server):
+    # One pass over the 322 training rows (40 steps of 2 × 4): each pass is a read branch of its own that Ray
+    # Data starts at once, and a dozen of them starved each other of this cluster's CPUs for minutes.
+    steps = 40
+    config = pretrain_config(fractals, s3_server, mlflow_server, "node-loss", steps=steps, batch_size_per_worker=4,
+                             checkpoint_interval=2, log_interval=2, max_failures=2, resources_per_worker=HALF_SLOT)
+    driver = nodes_cluster.start_driver("pretrain", config)
+    try:
+        # Ray Train records a checkpoint in this snapshot once the checkpoint is whole on S3.
+        wait_for_key(s3_server.client(), BUCKET, "runs/node-loss/", "checkpoint_manager_snapshot.json", timeout=150)
+        lost = train_worker_node(nodes_cluster.env)
+        nodes_cluster.kill_node(lost)
+    except BaseException:
+        driver.kill()
+        print(driver.communicate()[0][-4000:])  # the driver's side of the story, shown with the failure
+        raise
+    try:
+        run = finish(driver, timeout=240)
+    finally:
+        nodes_cluster.start_node(lost)  # the other proofs need both worker nodes
+    left = ({"worker_1", "worker_2"} - {lost}).pop()
+    assert sorted(run["train_nodes"]) == sorted([lost, lost, left, left])  # the first group, then the restarted one
+    client = MlflowClient(mlflow_server)
+    resumed_from = int(client.get_run(run["result"]["run_id"]).data.tags["vitpipe.resumed_from_step"])
+    assert 2 <= resumed_from < steps and resumed_from % 2 == 0  # a checkpoint of the first group, from S3
+    assert max(m.step for m in client.get_metric_history(run["result"]["run_id"], "train_loss")) == steps
 
 
 def test_a_finetune_sweep_runs_its_trials_on_different_nodes_nested_under_its_run(nodes_cluster, fractals,  # noqa: F811
