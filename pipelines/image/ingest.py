@@ -9,7 +9,8 @@ See `pipelines.core.shards` for the format.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -18,10 +19,13 @@ from pipelines.core import shards
 from pipelines.core.fetch import fetch_planned
 from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
                                    run_sharded_ingest, shard_counts)
+from pipelines.core.sources import object_plans
 from pipelines.core.storage import S3Settings, Store
 from pipelines.image.patches import RejectedImage, decode_image, patchify
 
 PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
+# Fields added after outputs were made: left out of the identity at these defaults, so those outputs keep theirs.
+LATER_FIELDS: dict[str, Any] = {"labeled": True}
 
 
 class IngestConfig(ShardedIngestConfig):
@@ -30,17 +34,29 @@ class IngestConfig(ShardedIngestConfig):
     image_size: int = Field(224, ge=8, le=4096)
     patch_size: int = Field(16, ge=1, le=512)
     max_pixels: int = Field(PILLOW_MAX_PIXELS, ge=1)
+    labeled: bool = True  # False: no classes, `label` null in the shards, `"labeled": false` in the manifest
 
     @model_validator(mode="after")
     def _consistent(self) -> IngestConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
+        if not self.labeled and self.manifest:
+            raise ValueError(f"manifest {self.manifest} gives labels, but the ingest is unlabeled (labeled: false)")
         return self
+
+    def identity(self) -> dict[str, Any]:
+        """As every ingest's, less the later fields left at their defaults (`LATER_FIELDS`)."""
+        return {k: v for k, v in super().identity().items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
 def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:
     """Run (or resume, or skip) the image ingest; errors as `run_sharded_ingest` raises them."""
     return run_sharded_ingest(config, IMAGES, force=force)
+
+
+def plan_images(config: IngestConfig, source: Store, manifest: Store | None) -> Iterator[dict[str, Any]]:
+    """The image ingest's shard plans (the engine's planner; see `pipelines.core.sources`)."""
+    return object_plans(config, source, manifest, labeled=config.labeled)
 
 
 def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out: Store) -> dict[str, Any]:
@@ -108,6 +124,7 @@ def _assemble_manifest(
     grid = config.image_size // config.patch_size
     return {
         "format": shards.FORMAT,
+        "labeled": config.labeled,
         "image_size": config.image_size,
         "patch_size": config.patch_size,
         "channels": 3,
@@ -123,4 +140,4 @@ def _assemble_manifest(
     }
 
 
-IMAGES = IngestKind("ingest", shards.FORMAT, "images", process_shard, _assemble_manifest)
+IMAGES = IngestKind("ingest", shards.FORMAT, "images", process_shard, _assemble_manifest, plan_images)
