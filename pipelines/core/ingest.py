@@ -2,9 +2,9 @@
 
 The work is a Ray Data pipeline of two operators:
 
-1. *plan* (one task) streams the source listing page by page — `<class>/<file>`
-   folders, or the rows of a CSV/Parquet manifest tagged from one listing of the
-   source — and cuts it into shard plans (`pipelines.core.plan`). On S3 the class
+1. *plan* (one task) runs the kind's planner (`pipelines.core.sources`): it streams the
+   listing page by page — `<class>/<file>` folders, a label manifest's rows, any object
+   (unlabeled), or one plan per WebDataset/Parquet input file — into shard plans. On S3 the class
    folders are listed in parallel by Ray tasks, in key order (`pipelines.core.listing`). Each plan holds
    its keys, labels and each object's version tag (size and ETag or mtime), and
    a fingerprint of all of it under the config. The task ends with the input
