@@ -161,7 +161,8 @@ def parquet_samples(
         table = pq.ParquetFile(fs.open_input_file(path))
         missing = [c for c in columns if c not in table.schema_arrow.names]
         if missing:
-            rejected.append({"key": key, "reason": f"no column {missing[0]!r} (has {', '.join(table.schema_arrow.names)})"})
+            names = ", ".join(table.schema_arrow.names)
+            rejected.append({"key": key, "reason": f"no column {missing[0]!r} (has {names})"})
             return
         for batch in table.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
             images = batch.column(image_column).to_pylist()

@@ -32,7 +32,9 @@ Planner = Callable[[Any, Store, "Store | None"], Iterator[dict[str, Any]]]
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
-def object_plans(config: Any, source: Store, manifest: Store | None, *, labeled: bool = True) -> Iterator[dict[str, Any]]:
+def object_plans(
+    config: Any, source: Store, manifest: Store | None, *, labeled: bool = True
+) -> Iterator[dict[str, Any]]:
     """Shard plans of a corpus of one object per sample: `<class>/<file>` folders, the rows of a
     label manifest tagged from one listing of the source, or (unlabeled) every object under it."""
     pages = listing.source_entries(source, width=config.list_concurrency)

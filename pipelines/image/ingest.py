@@ -116,10 +116,13 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     return summary
 
 
-Sample = tuple[str, bytes, "int | None", str, str]  # key, bytes, label, class name, split fixed by a manifest or ""
+# key, bytes, label, class name, and the split a label manifest fixed (or "")
+ShardSample = tuple[str, bytes, "int | None", str, str]
 
 
-def _samples(plan: dict[str, Any], config: IngestConfig, source: Store, rejected: list[dict[str, str]]) -> Iterator[Sample]:
+def _samples(
+    plan: dict[str, Any], config: IngestConfig, source: Store, rejected: list[dict[str, str]]
+) -> Iterator[ShardSample]:
     """The plan's samples, read a few at a time: its objects, or the samples of its input file."""
     if "file" not in plan:
         for i, data in fetch_planned(plan, source, rejected, io_threads=config.io_threads,
