@@ -138,8 +138,8 @@ def test_webdataset_label_can_come_from_a_named_json_field(s3_server, wds):
 
 
 def test_webdataset_rerun_of_the_same_shards_writes_nothing(s3_server, wds):
-    _ingest(s3_server, f"s3://{wds}/tars", f"s3://{wds}/out-rerun", input_format="webdataset")
-    again = _ingest(s3_server, f"s3://{wds}/tars", f"s3://{wds}/out-rerun", input_format="webdataset")
+    _ingest(s3_server, f"s3://{wds}/tars", f"s3://{wds}/out-listing", input_format="webdataset")  # made once
+    again = _ingest(s3_server, f"s3://{wds}/tars", f"s3://{wds}/out-listing", input_format="webdataset")
     assert again.skipped and again.shards_written == 0 and again.shards_reused == 4
 
 
@@ -246,6 +246,6 @@ def test_unlabeled_parquet_ingest_reads_no_label_column(s3_server, tables):
 
 
 def test_parquet_rerun_of_the_same_tables_writes_nothing(s3_server, tables):
-    _parquet_ingest(s3_server, tables, "out-rerun")
-    again = _parquet_ingest(s3_server, tables, "out-rerun")
+    _parquet_ingest(s3_server, tables, "out")  # made once per module
+    again = _parquet_ingest(s3_server, tables, "out")
     assert again.skipped and again.shards_written == 0 and again.shards_reused == 2
