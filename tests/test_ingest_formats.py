@@ -218,8 +218,9 @@ def tables(ray_cluster, s3_server):
 
 
 def _parquet_ingest(s3_server, bucket: str, output: str, **fields):
-    return _ingest(s3_server, f"s3://{bucket}/tables", f"s3://{bucket}/{output}", input_format="parquet",
-                   image_column="img", label_column="y", max_reject_fraction=1.0, **fields)
+    fields = {"input_format": "parquet", "image_column": "img", "label_column": "y", "max_reject_fraction": 1.0,
+              **fields}
+    return _ingest(s3_server, f"s3://{bucket}/tables", f"s3://{bucket}/{output}", **fields)
 
 
 def test_parquet_rows_become_samples_with_their_labels(s3_server, tables):
