@@ -16,6 +16,7 @@ from PIL import Image
 from pipelines.core import shards
 from pipelines.core.shards import read_manifest
 from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.process_output import result_json
 
 
 def _jpeg(seed: int, side: int = 20) -> bytes:
@@ -80,6 +81,11 @@ def test_unlabeled_manifest_says_so_and_has_no_classes(s3_server, loose_images):
 
 def test_labeled_manifest_says_labeled(tiny_dataset):
     assert read_manifest(tiny_dataset)["labeled"] is True
+
+
+def test_an_output_inside_a_brace_ranges_folder_is_refused():
+    with pytest.raises(ValueError, match="inside source"):
+        IngestConfig(source="/data/{000000..000009}.tar", output="/data/out", input_format="webdataset")
 
 
 def test_an_unlabeled_ingest_takes_no_label_manifest():
@@ -250,3 +256,19 @@ def test_parquet_rerun_of_the_same_tables_writes_nothing(s3_server, tables):
     _parquet_ingest(s3_server, tables, "out")  # made once per module
     again = _parquet_ingest(s3_server, tables, "out")
     assert again.skipped and again.shards_written == 0 and again.shards_reused == 2
+
+
+def test_cli_ingest_reads_a_local_brace_range_of_tars_unlabeled(ray_cluster, tmp_path):
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    (tmp_path / "tars").mkdir()
+    for shard in range(3):
+        (tmp_path / "tars" / f"{shard:06d}.tar").write_bytes(_wds_shard(shard, n=2))
+    args = ["ingest", str(tmp_path / "tars" / "{000000..000001}.tar"), str(tmp_path / "out"), "--input-format", "webdataset",
+            "--unlabeled", "--image-size", "16", "--patch-size", "4", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result_json(result.stdout)["counts"]["images"] == 4
+    assert read_manifest(str(tmp_path / "out"))["labeled"] is False

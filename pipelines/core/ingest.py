@@ -88,7 +88,7 @@ class ShardedIngestConfig(BaseModel):
     def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
         if self.val_fraction + self.test_fraction > 1.0:
             raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
-        source, output = parse_uri(self.source), parse_uri(self.output)
+        source, output = parse_uri(pattern_root(self.source)), parse_uri(self.output)
         if source.uri.rstrip("/") == output.uri.rstrip("/"):
             raise ValueError(f"output {self.output} must differ from source")
         if _inside(output, source):
