@@ -126,8 +126,8 @@ class IngestResult:
 class IngestKind:
     """What differs between ingest stages that share this machinery.
 
-    `planner(config, source, manifest)` streams the shard plans (in a Ray task; default:
-    `object_plans`, one object per sample). `process(plan, config, source, out) -> summary` makes one shard (in a Ray task; a
+    `planner(config, source, manifest)` streams the shard plans (default `object_plans`: one
+    object per sample). `process(plan, config, source, out) -> summary` makes one shard (in a Ray task; a
     module-level function), or reuses it when `shards.existing_summary` finds it written for
     the plan's fingerprint; `assemble(config, settings, fingerprint, summaries) -> manifest`
     builds the manifest, whose `counts[noun]` are the kept objects.
