@@ -123,9 +123,16 @@ def corpus_synth_video(
 
 @app.command("ingest")
 def ingest(
-    source: str = typer.Argument(..., help="Corpus: local directory or s3://bucket/prefix of <class>/<file> objects."),
+    source: str = typer.Argument(..., help="Corpus: local directory or s3://bucket/prefix of <class>/<file> objects, "
+                                 "of .tar or .parquet files, or a brace range such as s3://b/p/{000000..000099}.tar."),
     output: str = typer.Argument(..., help="Where shards and manifest.json go (local or s3://)."),
     manifest: Optional[str] = typer.Option(None, "--manifest", help="CSV/Parquet of key,label[,split] instead of class folders."),
+    input_format: str = typer.Option("objects", "--input-format",
+                                     help="objects (one per image), webdataset (tar shards) or parquet (image bytes)."),
+    unlabeled: bool = typer.Option(False, "--unlabeled", help="No classes: label null in the shards."),
+    label_field: Optional[str] = typer.Option(None, "--label-field", help="webdataset: label from this json field, not cls."),
+    image_column: str = typer.Option("image", "--image-column", help="parquet: column of image bytes or {bytes, path}."),
+    label_column: str = typer.Option("label", "--label-column", help="parquet: column of class numbers."),
     endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3-compatible endpoint (default AWS_ENDPOINT_URL)."),
     image_size: int = typer.Option(224, "--image-size"),
     patch_size: int = typer.Option(16, "--patch-size"),
@@ -145,6 +152,8 @@ def ingest(
         source=source, output=output, manifest=manifest, endpoint_url=endpoint_url, image_size=image_size,
         patch_size=patch_size, val_fraction=val_fraction, test_fraction=test_fraction,
         max_reject_fraction=max_reject_fraction, shard_size=shard_size, seed=seed, concurrency=concurrency,
+        input_format=input_format, labeled=not unlabeled, label_field=label_field, image_column=image_column,
+        label_column=label_column,
     )
     if max_pixels is not None:
         fields["max_pixels"] = max_pixels

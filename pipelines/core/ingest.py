@@ -2,9 +2,9 @@
 
 The work is a Ray Data pipeline of two operators:
 
-1. *plan* (one task) streams the source listing page by page — `<class>/<file>`
-   folders, or the rows of a CSV/Parquet manifest tagged from one listing of the
-   source — and cuts it into shard plans (`pipelines.core.plan`). On S3 the class
+1. *plan* (one task) runs the kind's planner (`pipelines.core.sources`): it streams the
+   listing page by page — `<class>/<file>` folders, a label manifest's rows, any object
+   (unlabeled), or one plan per WebDataset/Parquet input file — into shard plans. On S3 the class
    folders are listed in parallel by Ray tasks, in key order (`pipelines.core.listing`). Each plan holds
    its keys, labels and each object's version tag (size and ETag or mtime), and
    a fingerprint of all of it under the config. The task ends with the input
@@ -40,7 +40,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipelines.core import listing, plan as ingest_plan, shards
+from pipelines.core import plan as ingest_plan, shards
+from pipelines.core.sources import Planner, object_plans, pattern_root
 from pipelines.core.fetch import reusable
 from pipelines.core.errors import IngestError, StorageError, TransientStorageError, VitpipeError, find_vitpipe_error
 from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
@@ -87,7 +88,7 @@ class ShardedIngestConfig(BaseModel):
     def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
         if self.val_fraction + self.test_fraction > 1.0:
             raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
-        source, output = parse_uri(self.source), parse_uri(self.output)
+        source, output = parse_uri(pattern_root(self.source)), parse_uri(self.output)
         if source.uri.rstrip("/") == output.uri.rstrip("/"):
             raise ValueError(f"output {self.output} must differ from source")
         if _inside(output, source):
@@ -125,7 +126,8 @@ class IngestResult:
 class IngestKind:
     """What differs between ingest stages that share this machinery.
 
-    `process(plan, config, source, out) -> summary` makes one shard (in a Ray task; a
+    `planner(config, source, manifest)` streams the shard plans (default `object_plans`: one
+    object per sample). `process(plan, config, source, out) -> summary` makes one shard (in a Ray task; a
     module-level function), or reuses it when `shards.existing_summary` finds it written for
     the plan's fingerprint; `assemble(config, settings, fingerprint, summaries) -> manifest`
     builds the manifest, whose `counts[noun]` are the kept objects.
@@ -136,6 +138,7 @@ class IngestKind:
     noun: str  # "images", "videos"
     process: Callable[..., dict[str, Any]]
     assemble: Callable[..., dict[str, Any]]
+    planner: Planner = object_plans  # (config, source, label manifest or None) -> unsealed shard plans
 
 
 def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: bool = False) -> IngestResult:
@@ -149,7 +152,7 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
     """
     start = time.perf_counter()
     settings = S3Settings.resolve(config.endpoint_url)
-    source = open_store(config.source, settings)
+    source = open_store(pattern_root(config.source), settings)
     out = open_store(config.output, settings)
     fingerprint = shards.fingerprint({"format": kind.format, **config.identity()})
 
@@ -160,7 +163,7 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
         out.delete(shards.SUCCESS)
         shards.remove_stale_shards(out, keep=set())
 
-    summaries, input_digest = _run_pipeline(config, source, manifest_store, out, fingerprint, kind.process)
+    summaries, input_digest = _run_pipeline(config, source, manifest_store, out, fingerprint, kind)
     written = sum(not s.get("reused") for s in summaries)
     stale = shards.stale_shards(out, {s["key"] for s in summaries})
     done = None if written or stale else shards.finished_manifest(out, fingerprint, input_digest)
@@ -218,8 +221,7 @@ def _check_source(source: Store, manifest: Store | None) -> None:
 
 
 def _run_pipeline(
-    config: ShardedIngestConfig, source: Store, manifest: Store | None, out: Store, fingerprint: str,
-    process: Callable[..., dict[str, Any]],
+    config: ShardedIngestConfig, source: Store, manifest: Store | None, out: Store, fingerprint: str, kind: IngestKind,
 ) -> tuple[list[dict[str, Any]], str]:
     """The shard summaries (sorted by shard key) and the input digest the planner computed."""
     import ray.data
@@ -236,13 +238,14 @@ def _run_pipeline(
         ds = ray.data.from_items([{"plan": 0}]).map_batches(
             _plan_udf,
             batch_size=1,
-            fn_kwargs={"config": config, "source": source, "manifest": manifest, "fingerprint": fingerprint},
+            fn_kwargs={"config": config, "source": source, "manifest": manifest, "fingerprint": fingerprint,
+                       "planner": kind.planner},
             num_cpus=0,  # listing is I/O; it must not hold a CPU slot the decoders need
         )
         ds = ds.map_batches(
             _process_udf,
             batch_size=1,
-            fn_kwargs={"config": config, "source": source, "out": out, "process": process},
+            fn_kwargs={"config": config, "source": source, "out": out, "process": kind.process},
             num_cpus=1,
             compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
             # A shard whose reads kept failing for a cause that may pass is tried again as a whole.
@@ -288,19 +291,15 @@ def _error_row(column: str, err: VitpipeError) -> dict[str, Any]:
 
 
 def _plan_udf(
-    batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, manifest: Store | None, fingerprint: str
+    batch: dict[str, Any], *, config: ShardedIngestConfig, source: Store, manifest: Store | None, fingerprint: str,
+    planner: Planner,
 ) -> Iterator[dict[str, Any]]:
-    """Stream the listing into shard plans, each with its shard key and plan fingerprint (its
-    keys, version tags, labels, splits, under this config), then one last row: the input digest,
+    """Stream the kind's shard plans, each with its shard key and plan fingerprint (its keys,
+    version tags, labels, splits, under this config), then one last row: the input digest,
     a hash of every plan fingerprint in order. One listing pass, never held whole."""
     digest = hashlib.sha256(fingerprint.encode())
     try:
-        pages = listing.source_entries(source, width=config.list_concurrency)
-        if manifest is not None:
-            items = ingest_plan.tagged(ingest_plan.manifest_items(manifest), ingest_plan.ListingIndex(pages))
-        else:
-            items = ingest_plan.folder_items(pages)
-        for plan in ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed):
+        for plan in planner(config, source, manifest):
             ingest_plan.seal(plan, fingerprint)
             digest.update(plan["fingerprint"].encode())
             yield {"plan": np.array([json.dumps(plan)], dtype=object)}

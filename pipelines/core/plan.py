@@ -28,9 +28,10 @@ from pipelines.core.errors import IngestError
 from pipelines.core.storage import Entry, Store
 
 # A row is (key, label, split or "", class name, reason); a non-empty reason rejects it at planning.
-Row = tuple[str, int, str, str, str]
+# The label is None in an unlabeled ingest.
+Row = tuple[str, int | None, str, str, str]
 # An item is a row plus the object's version tag (`version_tag`; "" when the object is not listed).
-Item = tuple[str, int, str, str, str, str]
+Item = tuple[str, int | None, str, str, str, str]
 
 # A window is cut short at this many times its expected size, only to bound memory.
 _MAX_WINDOW_FACTOR = 16
@@ -53,6 +54,13 @@ def folder_items(pages: Iterable[list[Entry]]) -> Iterator[Item]:
                 yield key, -1, "", "", "not inside a class folder", tag
                 continue
             yield key, classes.setdefault(name, len(classes)), "", name, "", tag
+
+
+def unlabeled_items(pages: Iterable[list[Entry]]) -> Iterator[Item]:
+    """Every listed object, wherever it lies, with no label: an unlabeled corpus has no class folders."""
+    for page in pages:
+        for key, size, version in page:
+            yield key, None, "", "", "", version_tag(size, version)
 
 
 class ListingIndex:
@@ -199,7 +207,7 @@ def _plan_of(name: str, items: list[Item]) -> dict[str, Any]:
         "keys": [it[0] for it in items],
         "labels": [it[1] for it in items],
         "splits": [it[2] for it in items],
-        "classes": {it[3]: it[1] for it in items if not it[4]},
+        "classes": {it[3]: it[1] for it in items if not it[4] and it[1] is not None},
         "names": [it[3] for it in items],
         "reasons": [it[4] for it in items],
         "tags": [it[5] for it in items],

@@ -43,6 +43,8 @@ SCHEMA = pa.schema(
         pa.field("split", pa.string(), nullable=False),
     ]
 )
+# An unlabeled ingest's shards: the same columns, every label null.
+UNLABELED_SCHEMA = SCHEMA.set(1, pa.field("label", pa.int32(), nullable=True))
 
 
 def shard_key(name: int | str) -> str:
@@ -67,9 +69,10 @@ def fingerprint(tree: Mapping[str, Any]) -> str:
 
 
 def build_table(
-    patches: np.ndarray, labels: Sequence[int], keys: Sequence[str], splits: Sequence[str]
+    patches: np.ndarray, labels: Sequence[int | None], keys: Sequence[str], splits: Sequence[str]
 ) -> pa.Table:
-    """A shard table from `(n, N, D)` uint8 patches without copying the pixel buffer."""
+    """A shard table from `(n, N, D)` uint8 patches without copying the pixel buffer (labels all
+    None: an unlabeled shard, its `label` column null)."""
     n = len(keys)
     item = int(np.prod(patches.shape[1:])) if n else 0
     if n * item >= 2**31:
@@ -79,18 +82,18 @@ def build_table(
     column = pa.Array.from_buffers(pa.binary(), n, [None, offsets, data])
     return pa.Table.from_arrays(
         [column, pa.array(labels, pa.int32()), pa.array(keys, pa.string()), pa.array(splits, pa.string())],
-        schema=SCHEMA,
+        schema=UNLABELED_SCHEMA if n and labels[0] is None else SCHEMA,
     )
 
 
-def rows_hash(keys: Sequence[str], labels: Sequence[int], splits: Sequence[str], pixels: memoryview | bytes) -> str:
+def rows_hash(keys: Sequence[str], labels: Sequence[int | None], splits: Sequence[str], pixels: memoryview | bytes) -> str:
     """BLAKE3 over a shard's rows: keys, labels and splits, then all patch bytes in row order.
 
     BLAKE3 rather than sha256: as strong, and 4-5x faster over 150 KB of patches per image,
     where sha256 cost a sixteenth of an image's decode time.
     """
     h = blake3.blake3()
-    h.update(json.dumps([list(keys), [int(x) for x in labels], list(splits)]).encode())
+    h.update(json.dumps([list(keys), [None if x is None else int(x) for x in labels], list(splits)]).encode())
     h.update(pixels)
     return "blake3:" + h.hexdigest()
 

@@ -9,7 +9,8 @@ See `pipelines.core.shards` for the format.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -18,10 +19,15 @@ from pipelines.core import shards
 from pipelines.core.fetch import fetch_planned
 from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
                                    run_sharded_ingest, shard_counts)
+from pipelines.core.samples import parquet_samples, tar_samples
+from pipelines.core.sources import file_plans, object_plans
 from pipelines.core.storage import S3Settings, Store
 from pipelines.image.patches import RejectedImage, decode_image, patchify
 
 PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
+# Fields added after outputs were made: left out of the identity at these defaults, so those outputs keep theirs.
+LATER_FIELDS: dict[str, Any] = {"labeled": True, "input_format": "objects", "label_field": None,
+                                "image_column": "image", "label_column": "label"}
 
 
 class IngestConfig(ShardedIngestConfig):
@@ -30,12 +36,26 @@ class IngestConfig(ShardedIngestConfig):
     image_size: int = Field(224, ge=8, le=4096)
     patch_size: int = Field(16, ge=1, le=512)
     max_pixels: int = Field(PILLOW_MAX_PIXELS, ge=1)
+    labeled: bool = True  # False: no classes, `label` null in the shards, `"labeled": false` in the manifest
+    # objects: one object per image; webdataset: tar shards of samples; parquet: tables of image bytes
+    input_format: Literal["objects", "webdataset", "parquet"] = "objects"
+    label_field: str | None = None  # webdataset: the label is this field of a sample's json, not its cls
+    image_column: str = "image"  # parquet: image bytes, or a {"bytes", "path"} struct (Hugging Face)
+    label_column: str = "label"  # parquet: the class number of a labeled ingest
 
     @model_validator(mode="after")
     def _consistent(self) -> IngestConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
+        if not self.labeled and self.manifest:
+            raise ValueError(f"manifest {self.manifest} gives labels, but the ingest is unlabeled (labeled: false)")
+        if self.manifest and self.input_format != "objects":
+            raise ValueError(f"a label manifest names objects; {self.input_format} input carries its labels inside")
         return self
+
+    def identity(self) -> dict[str, Any]:
+        """As every ingest's, less the later fields left at their defaults (`LATER_FIELDS`)."""
+        return {k: v for k, v in super().identity().items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
 def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:
@@ -43,20 +63,26 @@ def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:
     return run_sharded_ingest(config, IMAGES, force=force)
 
 
+def plan_images(config: IngestConfig, source: Store, manifest: Store | None) -> Iterator[dict[str, Any]]:
+    """The image ingest's shard plans (the engine's planner; see `pipelines.core.sources`)."""
+    if config.input_format == "objects":
+        return object_plans(config, source, manifest, labeled=config.labeled)
+    suffix = ".tar" if config.input_format == "webdataset" else ".parquet"
+    return file_plans(source, config.source, suffix, config.list_concurrency)
+
+
 def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out: Store) -> dict[str, Any]:
     """Decode and write one planned shard; returns its summary (the engine reuses one already written)."""
     key = plan["key"]
     size, p = config.image_size, config.patch_size
     grid = size // p
-    pixels = _pixel_buffer((len(plan["keys"]), grid * grid, p * p * 3))
+    # A file of samples holds an unknown number of them: start at a shard's size and grow.
+    pixels = _pixel_buffer((config.shard_size if "file" in plan else len(plan["keys"]), grid * grid, p * p * 3))
     kept: dict[str, list[Any]] = {"keys": [], "labels": [], "splits": [], "names": []}
     fixed = 0  # rows whose split the manifest fixed
     rejected: list[dict[str, str]] = []
 
-    for i, data in fetch_planned(
-        plan, source, rejected, io_threads=config.io_threads, max_bytes=config.max_object_bytes
-    ):
-        obj = plan["keys"][i]
+    for obj, data, label, name, split in _samples(plan, config, source, rejected):
         try:
             image = decode_image(data, size, max_pixels=config.max_pixels)
         except RejectedImage as why:
@@ -64,12 +90,16 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
             continue
         finally:
             del data  # dropped before the next fetch: fetch_planned's memory bound counts on it
+        if len(kept["keys"]) == len(pixels):
+            pixels = np.concatenate([pixels, np.empty_like(pixels)])
         patchify(image, p, out=pixels[len(kept["keys"])])
         kept["keys"].append(obj)
-        kept["labels"].append(plan["labels"][i])
-        kept["splits"].append(plan["splits"][i] or shards.split_of(obj, config.val_fraction, config.test_fraction))
-        fixed += bool(plan["splits"][i])
-        kept["names"].append(plan["names"][i])
+        kept["labels"].append(label)
+        kept["splits"].append(split or shards.split_of(obj, config.val_fraction, config.test_fraction))
+        fixed += bool(split)
+        kept["names"].append(name)
+    if "file" in plan:  # the classes of a file's samples are the labels found in it
+        plan = {**plan, "classes": {n: y for n, y in zip(kept["names"], kept["labels"]) if y is not None}}
 
     n = len(kept["keys"])
     table = shards.build_table(pixels[:n], kept["labels"], kept["keys"], kept["splits"])
@@ -84,6 +114,32 @@ def process_shard(plan: dict[str, Any], config: IngestConfig, source: Store, out
     }
     shards.write_shard(out, key, table, summary, config.compression)
     return summary
+
+
+# key, bytes, label, class name, and the split a label manifest fixed (or "")
+ShardSample = tuple[str, bytes, "int | None", str, str]
+
+
+def _samples(
+    plan: dict[str, Any], config: IngestConfig, source: Store, rejected: list[dict[str, str]]
+) -> Iterator[ShardSample]:
+    """The plan's samples, read a few at a time: its objects, or the samples of its input file."""
+    if "file" not in plan:
+        for i, data in fetch_planned(plan, source, rejected, io_threads=config.io_threads,
+                                     max_bytes=config.max_object_bytes):
+            yield plan["keys"][i], data, plan["labels"][i], plan["names"][i], plan["splits"][i]
+            del data  # the caller holds the only reference now
+        return
+    if config.input_format == "webdataset":
+        found = tar_samples(source, plan["file"], rejected, labeled=config.labeled, label_field=config.label_field,
+                            max_bytes=config.max_object_bytes)
+    else:
+        found = parquet_samples(source, plan["file"], rejected, image_column=config.image_column,
+                                label_column=config.label_column if config.labeled else None,
+                                max_bytes=config.max_object_bytes)
+    for key, data, label in found:
+        yield key, data, label, "" if label is None else str(label), ""
+        del data
 
 
 _buffers: dict[tuple[int, ...], np.ndarray] = {}
@@ -108,6 +164,7 @@ def _assemble_manifest(
     grid = config.image_size // config.patch_size
     return {
         "format": shards.FORMAT,
+        "labeled": config.labeled,
         "image_size": config.image_size,
         "patch_size": config.patch_size,
         "channels": 3,
@@ -123,4 +180,4 @@ def _assemble_manifest(
     }
 
 
-IMAGES = IngestKind("ingest", shards.FORMAT, "images", process_shard, _assemble_manifest)
+IMAGES = IngestKind("ingest", shards.FORMAT, "images", process_shard, _assemble_manifest, plan_images)
