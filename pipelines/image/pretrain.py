@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 import vit
 from pipelines.core import tracking
@@ -38,7 +38,11 @@ from pipelines.training.worker import Worker
 
 STAGE = "pretrain"
 # Fields added after runs were recorded: left out at their default, so those runs keep their identity.
-LATER_FIELDS = {"augment_on": "cpu"}
+LATER_FIELDS = {"augment_on": "cpu", "objective": "supervised", "mask_ratio": 0.75, "decoder_dim": 512,
+                "decoder_depth": 8, "decoder_heads": 16, "norm_pix_loss": True}
+# The MAE paper's recipe (He et al. 2021, Table 8), applied to an `objective: mae` config where it sets no value.
+MAE_RECIPE = {"betas": (0.9, 0.95), "weight_decay": 0.05, "schedule": "cosine"}
+MAE_BASE_LR = 1.5e-4  # per 256 images of global batch: lr = base × global batch / 256
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
 NOT_IDENTITY = {
     "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
@@ -67,6 +71,28 @@ class PretrainConfig(TrainRecipe):
     weight_decay: float = Field(0.1, ge=0)
     eval_interval: int = Field(1000, ge=0)  # 0: only at the end
     checkpoint_interval: int = Field(1000, ge=0)  # 0: only at the end
+    # What is learnt: labels (`supervised`), or masked patches' pixels (`mae`, which needs no labels).
+    objective: Literal["supervised", "mae"] = "supervised"
+    # MAE only; the paper's defaults: 75% of patches masked, a 512-wide 8-block decoder, per-patch normalised targets.
+    mask_ratio: float = Field(0.75, gt=0, lt=1)
+    decoder_dim: int = Field(512, gt=0, multiple_of=4)
+    decoder_depth: int = Field(8, gt=0)
+    decoder_heads: int = Field(16, gt=0)
+    norm_pix_loss: bool = True
+
+    @model_validator(mode="after")
+    def _mae_recipe(self) -> PretrainConfig:
+        """An MAE run takes the paper's optimizer and schedule, and its scaled learning rate, unless set."""
+        if self.objective != "mae":
+            return self
+        for name, value in MAE_RECIPE.items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        if "lr" not in self.model_fields_set:
+            self.lr = MAE_BASE_LR * self.global_batch / 256
+        if self.decoder_dim % self.decoder_heads:
+            raise ValueError(f"decoder_dim {self.decoder_dim} is not a multiple of decoder_heads {self.decoder_heads}")
+        return self
 
     @property
     def augments_on_device(self) -> bool:
