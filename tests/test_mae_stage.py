@@ -203,3 +203,12 @@ def test_an_mae_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_
     assert resumed.keys() == uninterrupted.keys()
     for name in resumed:
         torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_mae_demo_spec_chains_mae_pretraining_into_a_fine_tune():
+    from pipelines.spec import load_spec
+
+    spec = load_spec(Path(pretrain.__file__).parents[1] / "specs" / "mae_demo.yaml")
+    assert spec.resolved_config("mae")["objective"] == "mae"
+    assert [ref.fill.field for ref in spec.inputs_of("finetune_mae")] == ["data", "init"]
+    assert spec.stages["finetune_scratch"].inputs == ["digits"]
