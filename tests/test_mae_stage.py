@@ -107,7 +107,8 @@ def test_values_set_in_an_mae_config_win_over_the_papers_recipe():
 def test_a_supervised_config_keeps_the_identity_it_had_before_objectives_existed():
     config = load_config({"data": "/d", "steps": 10, "warmup_steps": 1})
     identity = run_identity(config, {"content_hash": "h"})
-    assert not {"objective", "mask_ratio", "decoder_dim", "decoder_depth", "decoder_heads", "norm_pix_loss"} & set(identity)
+    mae_fields = {"objective", "mask_ratio", "decoder_dim", "decoder_depth", "decoder_heads", "norm_pix_loss"}
+    assert not mae_fields & set(identity)
 
 
 # ---------------------------------------------------------------- unlabeled data
@@ -116,7 +117,8 @@ def test_a_supervised_config_keeps_the_identity_it_had_before_objectives_existed
 def test_supervised_pretraining_on_an_unlabeled_ingest_fails_first_with_one_line_naming_the_data(unlabeled, tmp_path):
     config = PretrainConfig(data=unlabeled, steps=4, warmup_steps=1, storage=str(tmp_path / "runs"),
                             tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    with pytest.raises(VitpipeError, match=rf"^{unlabeled}: the ingest output is unlabeled .*use objective: mae$") as info:
+    one_line = rf"^{unlabeled}: the ingest output is unlabeled .*use objective: mae$"
+    with pytest.raises(VitpipeError, match=one_line) as info:
         run_pretrain(config)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran, nothing recorded
@@ -134,7 +136,8 @@ def test_an_mae_run_on_unlabeled_data_is_registered_like_any_pretrain(mae_run):
 
 
 def test_the_checkpoint_holds_the_encoder_as_a_vit_checkpoint_and_the_decoder_beside_it(mae_run):
-    names = {a.path.rsplit("/", 1)[-1] for a in mae_run.client.list_artifacts(mae_run.result.run_id, "checkpoints/final")}
+    artifacts = mae_run.client.list_artifacts(mae_run.result.run_id, "checkpoints/final")
+    names = {a.path.rsplit("/", 1)[-1] for a in artifacts}
     assert {"model.safetensors", "config.json", DECODER_FILE} <= names
     encoder = registry.load_model_from_run(mae_run.result.final_checkpoint, tracking_uri=mae_run.config.tracking_uri)
     assert isinstance(encoder, vit.VisionTransformer) and encoder.config.num_classes == 0

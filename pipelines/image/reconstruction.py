@@ -16,7 +16,8 @@ RECONSTRUCTION_FIGURE = "mae/reconstruction.png"
 IMAGES = 4
 
 
-def reconstruction_columns(mae: Any, patches: torch.Tensor, grid: tuple[int, int], seed: int = 0) -> dict[str, np.ndarray]:
+def reconstruction_columns(mae: Any, patches: torch.Tensor, grid: tuple[int, int],
+                           seed: int = 0) -> dict[str, np.ndarray]:
     """`{"original", "masked", "reconstructed"}` images `(B, H, W, C)` in [0, 1] for normalised patch sequences.
 
     The masks are drawn from `seed`, so the picture of a run is the same each time it is drawn.
