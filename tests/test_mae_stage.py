@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -117,7 +118,7 @@ def test_a_supervised_config_keeps_the_identity_it_had_before_objectives_existed
 def test_supervised_pretraining_on_an_unlabeled_ingest_fails_first_with_one_line_naming_the_data(unlabeled, tmp_path):
     config = PretrainConfig(data=unlabeled, steps=4, warmup_steps=1, storage=str(tmp_path / "runs"),
                             tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    one_line = rf"^{unlabeled}: the ingest output is unlabeled .*use objective: mae$"
+    one_line = rf"^{re.escape(unlabeled)}: the ingest output is unlabeled .*use objective: mae$"
     with pytest.raises(VitpipeError, match=one_line) as info:
         run_pretrain(config)
     assert "\n" not in str(info.value)
