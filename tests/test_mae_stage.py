@@ -63,7 +63,7 @@ def unlabeled(tiny_dataset, tmp_path_factory) -> str:
 
 def mae_config(data: str, tmp: Path, tracking_uri: str, **overrides: Any) -> PretrainConfig:
     fields = dict(data=data, objective="mae", model="ViT-Ti/16", model_overrides=TINY, **DECODER, num_workers=1,
-                  batch_size_per_worker=16, steps=12, warmup_steps=2, lr=1e-3, checkpoint_interval=4, keep_last=2,
+                  batch_size_per_worker=16, steps=8, warmup_steps=2, lr=1e-3, checkpoint_interval=4, keep_last=2,
                   log_interval=4, augment=False, storage=str(tmp / "runs"), tracking_uri=tracking_uri,
                   experiment="mae-stage")
     return PretrainConfig(**{**fields, **overrides})
@@ -78,7 +78,7 @@ class MAERun:
 
 @pytest.fixture(scope="module")
 def mae_run(unlabeled, ray_cluster, mlflow_server, tmp_path_factory) -> MAERun:
-    """One uninterrupted MAE pretrain of 12 steps on the unlabeled ingest."""
+    """One uninterrupted MAE pretrain of 8 steps on the unlabeled ingest."""
     config = mae_config(unlabeled, tmp_path_factory.mktemp("mae-run"), mlflow_server)
     return MAERun(config, run_pretrain(config), MlflowClient(mlflow_server))
 
@@ -133,7 +133,7 @@ def test_an_mae_run_on_unlabeled_data_is_registered_like_any_pretrain(mae_run):
     assert run.info.status == "FINISHED" and run.data.tags["vitpipe.stage"] == "pretrain"
     assert run.data.params["objective"] == "mae"
     assert mae_run.result.model_uri
-    assert max(m.step for m in mae_run.client.get_metric_history(run.info.run_id, "train_loss")) == 12
+    assert max(m.step for m in mae_run.client.get_metric_history(run.info.run_id, "train_loss")) == 8
 
 
 def test_the_checkpoint_holds_the_encoder_as_a_vit_checkpoint_and_the_decoder_beside_it(mae_run):
