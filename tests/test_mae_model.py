@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vit import MaskedAutoencoder, ViTConfig, VisionTransformer, masking_generator, patchify
+from vit import load_checkpoint as vit_load
 from vit.mae import random_masking
 
 
@@ -126,3 +127,25 @@ def test_a_hybrid_encoder_is_refused_because_its_stem_sees_every_pixel():
                                          mlp_dim=64, num_classes=0, hybrid={"layers": (1, 1, 1), "width": 8}))
     with pytest.raises(ValueError, match="plain ViT encoder"):
         MaskedAutoencoder(hybrid)
+
+
+def test_an_mae_checkpoint_is_a_vit_checkpoint_of_the_encoder_with_the_decoder_beside_it(tmp_path):
+    from vit.mae import DECODER_FILE, load_mae, save_mae
+
+    mae = build()
+    save_mae(mae, tmp_path)
+    assert (tmp_path / DECODER_FILE).is_file()
+    encoder = vit_load(tmp_path)
+    assert type(encoder) is VisionTransformer
+    assert all(torch.equal(a, b) for a, b in zip(encoder.state_dict().values(), mae.encoder.state_dict().values()))
+    again = load_mae(tmp_path).eval()
+    x = images()
+    assert torch.equal(again(x, masking_generator(0, 0)).loss, mae(x, masking_generator(0, 0)).loss)
+
+
+def test_masks_differ_between_ranks_and_micro_batches_of_one_step():
+    mae = build()
+    masks = {(rank, micro): mae(images(), masking_generator(7, 2, rank, micro)).masking.mask
+             for rank in (0, 1) for micro in (0, 1)}
+    assert not torch.equal(masks[0, 0], masks[1, 0])
+    assert not torch.equal(masks[0, 0], masks[0, 1])

@@ -8,22 +8,32 @@ per-patch normalised pixels by default.
 
 `mae.encoder` is the ViT itself, so `mae.encoder.state_dict()` is an ordinary vit
 checkpoint; the decoder's weights are `mae.decoder.state_dict()`, kept beside it.
-Masks come from a `torch.Generator`: `masking_generator(seed, step)` gives each step
-its own, so a resumed run draws the same masks as an uninterrupted one.
+Masks come from a `torch.Generator`: `masking_generator(seed, step, rank, micro)` gives each
+micro-batch of each step on each rank its own, so a resumed run draws the same masks as an
+uninterrupted one. `save_mae` writes the encoder as an ordinary vit checkpoint directory and
+the decoder beside it (`mae_decoder.safetensors`, `mae.json`), so whatever loads a vit
+checkpoint loads an MAE run's encoder.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vit.config import ViTConfig
 from vit.model import Block, VisionTransformer
 from vit.patches import grid_size, patchify, unpatchify
 from vit.pos_embed import sincos_2d
+from vit.weights import load_checkpoint, save_checkpoint
+
+DECODER_FILE = "mae_decoder.safetensors"
+MAE_CONFIG_FILE = "mae.json"
 
 
 @dataclass
@@ -55,10 +65,11 @@ def num_visible(num_patches: int, mask_ratio: float) -> int:
     return keep
 
 
-def masking_generator(seed: int, step: int) -> torch.Generator:
-    """A CPU generator for the masks of one training step, a function of the run's seed and the step alone."""
+def masking_generator(seed: int, step: int, rank: int = 0, micro: int = 0) -> torch.Generator:
+    """A CPU generator for the masks of one micro-batch: a function of the run's seed, the global step,
+    the data-parallel rank and the micro-batch within the step alone."""
     # Hashed to 32 bits: the CPU generator (mt19937) ignores a seed's upper 32 bits.
-    digest = hashlib.blake2b(f"mae-masks:{seed}:{step}".encode(), digest_size=4).digest()
+    digest = hashlib.blake2b(f"mae-masks:{seed}:{step}:{rank}:{micro}".encode(), digest_size=4).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
@@ -159,6 +170,8 @@ class MaskedAutoencoder(nn.Module):
         self.decoder = MAEDecoder(decoder_config, c.embed_dim, encoder.num_prefix_tokens)
         self.mask_ratio = mask_ratio
         self.norm_pix_loss = norm_pix_loss
+        self.options = {"decoder_dim": decoder_dim, "decoder_depth": decoder_depth, "decoder_heads": decoder_heads,
+                        "mask_ratio": mask_ratio, "norm_pix_loss": norm_pix_loss}
 
     def patches(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
         """Images or patch sequences as `(B, N, P*P*C)` patches and their grid; checks shapes first."""
@@ -211,7 +224,7 @@ class MaskedAutoencoder(nn.Module):
         return (per_patch * mask).sum() / mask.sum()
 
     def forward(
-        self, x: torch.Tensor, *, generator: torch.Generator | None = None, grid: tuple[int, int] | None = None
+        self, x: torch.Tensor, generator: torch.Generator | None = None, *, grid: tuple[int, int] | None = None
     ) -> MAEOutput:
         """Mask, encode, decode and score one batch; `generator` draws the masks (see `masking_generator`)."""
         patches, grid = self.patches(x, grid)
@@ -241,5 +254,33 @@ class MaskedAutoencoder(nn.Module):
         return masked, unpatchify(patches * (1 - m) + pred.to(patches.dtype) * m, p, grid, c)
 
 
-__all__ = ["MAEDecoder", "MAEOutput", "MaskedAutoencoder", "Masking", "masking_generator", "num_visible",
-           "random_masking"]
+def save_mae(mae: MaskedAutoencoder, directory: str | Path) -> Path:
+    """The encoder as a vit checkpoint in `directory`, the decoder and the MAE options beside it."""
+    d = save_checkpoint(mae.encoder, directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in mae.decoder.state_dict().items()}
+    save_file(state, d / DECODER_FILE)
+    (d / MAE_CONFIG_FILE).write_text(json.dumps(mae.options, indent=2))
+    return d
+
+
+def load_mae_weights(mae: MaskedAutoencoder, directory: str | Path) -> None:
+    """Load an MAE checkpoint written by `save_mae` into `mae` (strict: encoder and decoder)."""
+    d = Path(directory)
+    if not (d / DECODER_FILE).is_file():
+        raise ValueError(f"{d} holds no MAE decoder ({DECODER_FILE}): it is not an MAE checkpoint")
+    mae.encoder.load_state_dict(load_checkpoint(d).state_dict())
+    mae.decoder.load_state_dict(load_file(d / DECODER_FILE, device="cpu"))
+
+
+def load_mae(directory: str | Path) -> MaskedAutoencoder:
+    """The whole masked autoencoder of a checkpoint written by `save_mae`."""
+    d = Path(directory)
+    if not (d / MAE_CONFIG_FILE).is_file():
+        raise ValueError(f"{d} holds no {MAE_CONFIG_FILE}: it is not an MAE checkpoint")
+    mae = MaskedAutoencoder(load_checkpoint(d), **json.loads((d / MAE_CONFIG_FILE).read_text()))
+    load_mae_weights(mae, d)
+    return mae
+
+
+__all__ = ["DECODER_FILE", "MAEDecoder", "MAEOutput", "MaskedAutoencoder", "Masking", "load_mae", "load_mae_weights",
+           "masking_generator", "num_visible", "random_masking", "save_mae"]

@@ -1,5 +1,5 @@
 """Figures the stages log: the sweep at a glance, the trials' learning curves, the best model's confusion
-matrix and where a pretrained ViT looks.
+matrix, where a pretrained ViT looks and what a masked autoencoder reconstructs.
 
 Plain matplotlib on the Agg backend (drivers run headless); every function
 returns a Figure for `MlflowClient.log_figure` and leaves closing it to the caller.
@@ -156,4 +156,26 @@ def attention_figure(images: np.ndarray, maps: np.ndarray, titles: Sequence[str]
     return fig
 
 
-__all__ = ["attention_figure", "confusion_figure", "sweep_figure", "trial_curves_figure"]
+def reconstruction_figure(columns: dict[str, np.ndarray], title: str) -> Any:
+    """One row per image, one column per entry of `columns` (e.g. original | masked | reconstructed).
+
+    Each value is `(B, H, W, C)` in [0, 1]; the keys title the columns.
+    """
+    plt = _pyplot()
+    names = list(columns)
+    n = len(columns[names[0]])
+    fig, axes = plt.subplots(n, len(names), figsize=(2.2 * len(names), 2.2 * n), squeeze=False)
+    for j, name in enumerate(names):
+        for i in range(n):
+            image = columns[name][i]
+            image = image.squeeze(-1) if image.shape[-1] == 1 else image
+            axes[i, j].imshow(image, cmap="gray" if image.ndim == 2 else None, interpolation="nearest")
+            axes[i, j].set_xticks([])
+            axes[i, j].set_yticks([])
+        axes[0, j].set_title(name, fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["attention_figure", "confusion_figure", "reconstruction_figure", "sweep_figure", "trial_curves_figure"]

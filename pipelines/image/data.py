@@ -39,6 +39,16 @@ def normalize(patches: np.ndarray) -> np.ndarray:
     return (patches.astype(np.float32) * np.float32(1 / (255 * PATCH_STD))) - np.float32(PATCH_MEAN / PATCH_STD)
 
 
+def labels_array(column: Any) -> np.ndarray:
+    """A label column as int64; an unlabeled ingest's null labels become -1."""
+    import pyarrow.compute as pc
+
+    column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    if column.null_count == len(column):  # every label null, whatever the column's type
+        return np.full(len(column), -1, dtype=np.int64)
+    return pc.fill_null(column, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def patches_array(column: Any, num_patches: int, patch_dim: int) -> np.ndarray:
     """A pyarrow binary column of patch bytes → uint8 `(B, N, D)` (zero-copy when contiguous)."""
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
@@ -92,7 +102,7 @@ def _decode_batch(
     if augment:
         keys = table.column("key").to_pylist()
         patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=seed, epoch=epoch, aug=aug)
-    labels = table.column("label").to_numpy().astype(np.int64)
+    labels = labels_array(table.column("label"))
     return {"patches": patches if raw else normalize(patches), "label": labels}
 
 
@@ -170,10 +180,10 @@ def load_split(
     if not tables:
         raise VitpipeError(f"{store.uri}: split {split!r} has no images")
     table = pa.concat_tables(tables).sort_by("key")
-    keep = _select(table.column("label").to_numpy(), per_class, limit)
+    keep = _select(labels_array(table.column("label")), per_class, limit)
     table = table.take(pa.array(keep, pa.int64()))
     patches = normalize(patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"]))
-    labels = table.column("label").to_numpy().astype(np.int64)
+    labels = labels_array(table.column("label"))
     return torch.from_numpy(patches), torch.from_numpy(labels)
 
 

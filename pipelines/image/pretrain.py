@@ -1,9 +1,11 @@
-"""The pretrain stage: supervised ViT pretraining, data-parallel on Ray Train, tracked in MLflow.
+"""The pretrain stage: ViT pretraining, supervised or as a masked autoencoder (`objective: mae`),
+data-parallel on Ray Train, tracked in MLflow.
 
 The driver validates the config against the ingest manifest, opens the stage's
 single MLflow run, builds a `TorchTrainer` whose workers run
 `pipelines.training.loop.train_loop_per_worker`, and after training logs the final
-and best checkpoints, the model, a learning curve and an attention picture into the run.
+and best checkpoints, the model, a learning curve and an attention picture into the run
+(an MAE run: its encoder as the model, its decoder beside it, and a reconstruction picture).
 
 Running the same config again resumes: Ray Train finds the latest checkpoint
 under the same `(storage, run name)`, and the unfinished MLflow run tagged with
@@ -19,17 +21,21 @@ from typing import Any, Literal
 
 import torch
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 import vit
+from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
+from pipelines.core.errors import VitpipeError
 from pipelines.core.shards import read_manifest
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.image.attention_map import log_attention_picture
 from pipelines.image.data import patch_dataset
+from pipelines.image.mae_hooks import MAEHooks, MAEOptions
+from pipelines.image.reconstruction import log_reconstruction_picture
 from pipelines.training.augment import augment_patch_batches
 from pipelines.training.hooks import LoopHooks
 from pipelines.training.recipe import AugmentConfig, LoopSettings, TrainRecipe
@@ -38,7 +44,11 @@ from pipelines.training.worker import Worker
 
 STAGE = "pretrain"
 # Fields added after runs were recorded: left out at their default, so those runs keep their identity.
-LATER_FIELDS = {"augment_on": "cpu"}
+LATER_FIELDS = {"augment_on": "cpu", "objective": "supervised", "mask_ratio": 0.75, "decoder_dim": 512,
+                "decoder_depth": 8, "decoder_heads": 16, "norm_pix_loss": True}
+# The MAE paper's recipe (He et al. 2021, Table 8), applied to an `objective: mae` config where it sets no value.
+MAE_RECIPE = {"betas": (0.9, 0.95), "weight_decay": 0.05, "schedule": "cosine"}
+MAE_BASE_LR = 1.5e-4  # per 256 images of global batch: lr = base × global batch / 256
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
 NOT_IDENTITY = {
     "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
@@ -67,6 +77,28 @@ class PretrainConfig(TrainRecipe):
     weight_decay: float = Field(0.1, ge=0)
     eval_interval: int = Field(1000, ge=0)  # 0: only at the end
     checkpoint_interval: int = Field(1000, ge=0)  # 0: only at the end
+    # What is learnt: labels (`supervised`), or masked patches' pixels (`mae`, which needs no labels).
+    objective: Literal["supervised", "mae"] = "supervised"
+    # MAE only; the paper's defaults: 75% of patches masked, a 512-wide 8-block decoder, per-patch normalised targets.
+    mask_ratio: float = Field(0.75, gt=0, lt=1)
+    decoder_dim: int = Field(512, gt=0, multiple_of=4)
+    decoder_depth: int = Field(8, gt=0)
+    decoder_heads: int = Field(16, gt=0)
+    norm_pix_loss: bool = True
+
+    @model_validator(mode="after")
+    def _mae_recipe(self) -> PretrainConfig:
+        """An MAE run takes the paper's optimizer and schedule, and its scaled learning rate, unless set."""
+        if self.objective != "mae":
+            return self
+        for name, value in MAE_RECIPE.items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        if "lr" not in self.model_fields_set:
+            self.lr = MAE_BASE_LR * self.global_batch / 256
+        if self.decoder_dim % self.decoder_heads:
+            raise ValueError(f"decoder_dim {self.decoder_dim} is not a multiple of decoder_heads {self.decoder_heads}")
+        return self
 
     @property
     def augments_on_device(self) -> bool:
@@ -104,6 +136,10 @@ def model_overrides(config: PretrainConfig, manifest: dict[str, Any]) -> dict[st
     exactly the stored patch sequences: same number of patches, same patch length.
     """
     out = dict(config.model_overrides)
+    if config.objective == "mae":
+        if not vit.is_vit_name(config.model) or config.model.startswith("R50+"):
+            raise ValueError(f"objective mae needs a plain ViT encoder, got model {config.model!r}")
+        out["num_classes"] = 0  # the encoder's head goes unused: fine-tuning puts one on
     out.setdefault("num_classes", int(manifest.get("num_classes") or len(manifest["classes"])))
     derived: dict[str, Any] = {}
     if vit.is_vit_name(config.model):  # other families (e.g. VTN) size their inputs their own way
@@ -186,10 +222,36 @@ class PretrainHooks(LoopHooks):
                                      rank=worker.rank, device=worker.device)
 
 
-def pretrain_hooks(config: PretrainConfig, manifest: dict[str, Any]) -> PretrainHooks:
-    """The hooks of a pretraining run: device-side augmentation when `augment_on` is "device"."""
+def pretrain_hooks(config: PretrainConfig, manifest: dict[str, Any]) -> LoopHooks:
+    """The hooks of a pretraining run: device-side augmentation when `augment_on` is "device"; the masked
+    autoencoder around them for `objective: mae`."""
     aug = AugmentConfig() if config.augments_on_device else None
-    return PretrainHooks(aug, manifest["patch_size"], tuple(manifest["grid"]))
+    hooks = PretrainHooks(aug, manifest["patch_size"], tuple(manifest["grid"]))
+    if config.objective == "mae":
+        return MAEHooks(mae_options(config), hooks)
+    return hooks
+
+
+def mae_options(config: PretrainConfig) -> MAEOptions:
+    """The MAE fields of `config`."""
+    return MAEOptions(config.mask_ratio, config.decoder_dim, config.decoder_depth, config.decoder_heads,
+                      config.norm_pix_loss)
+
+
+def check_labels(config: PretrainConfig, manifest: dict[str, Any]) -> None:
+    """Supervised pretraining needs labels: refuse an unlabeled ingest output (`"labeled": false`) up front."""
+    if config.objective == "supervised" and manifest.get("labeled", True) is False:
+        raise VitpipeError(f"{strip_userinfo(config.data)}: the ingest output is unlabeled (manifest.json has "
+                           '"labeled": false), so supervised pretraining cannot run on it; use objective: mae')
+
+
+def log_mae_outputs(client: Any, run_id: str, config: PretrainConfig, manifest: dict[str, Any], final_dir: str) -> None:
+    """The decoder beside the logged encoder checkpoints, and the reconstruction picture."""
+    for name in (DECODER_FILE, MAE_CONFIG_FILE):
+        for artifact_path in ("checkpoints/final", "checkpoints/best"):
+            client.log_artifact(run_id, os.path.join(final_dir, name), artifact_path)
+    log_reconstruction_picture(client, run_id, load_mae(final_dir), config.data, manifest,
+                               endpoint_url=config.endpoint_url, seed=config.seed)
 
 
 def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
@@ -213,8 +275,10 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     when training fails beyond `max_failures` restarts.
     """
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    check_labels(config, manifest)
     overrides = model_overrides(config, manifest)
-    has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
+    # An MAE run validates nothing while it trains (validation top-1 needs labels and a head).
+    has_val = config.objective == "supervised" and int(manifest.get("counts", {}).get("val", 0)) > 0
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
 
@@ -240,6 +304,9 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
         result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
         run.set_tags({"vitpipe.model_uri": log_outputs(client, run.run_id, result) or ""})
         with result.checkpoint.as_directory() as final_dir:
-            log_attention_picture(client, run.run_id, vit.load_checkpoint(final_dir), config.data, manifest,
-                                  endpoint_url=config.endpoint_url)
+            if config.objective == "mae":
+                log_mae_outputs(client, run.run_id, config, manifest, final_dir)
+            else:
+                log_attention_picture(client, run.run_id, vit.load_checkpoint(final_dir), config.data, manifest,
+                                      endpoint_url=config.endpoint_url)
     return _result_from_run(client, run.run_id, reused=False)

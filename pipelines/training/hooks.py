@@ -23,7 +23,7 @@ from torch import nn
 
 import vit
 from pipelines.training.recipe import LoopSettings
-from pipelines.training.step import StepStats, build_model
+from pipelines.training.step import StepStats, build_model, load_vit_weights
 from pipelines.training.worker import Rank0Log, Worker, train_batches
 
 BEST_DIR = "best"  # <run dir>/best/: the best model by validation top-1
@@ -71,6 +71,18 @@ class LoopHooks:
     def forward_model(self, model: nn.Module) -> nn.Module:
         """What the step and evaluation call; checkpoints hold `model` itself."""
         return model
+
+    def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor] | None:
+        """The step's loss of the forward model's output and the labels; None: cross-entropy of logits."""
+        return None
+
+    def save_weights(self, model: nn.Module, directory: Path) -> None:
+        """Write `model`'s weights into a checkpoint directory: a vit checkpoint."""
+        vit.save_checkpoint(model, directory)
+
+    def load_weights(self, model: nn.Module, directory: Path) -> None:
+        """Load weights that `save_weights` wrote into `model`."""
+        load_vit_weights(model, directory)
 
     def end_step(self, s: LoopSettings) -> int:
         """The step this run stops at (evaluated and checkpointed)."""

@@ -93,6 +93,7 @@ def _start(config: dict[str, Any], hooks: LoopHooks) -> _Run:
     step_fn = TrainStep(
         ray.train.torch.prepare_model(forward), optimizer, scheduler, device=device, amp_dtype=amp_dtype,
         clip_grad_norm=s.clip_grad_norm, label_smoothing=s.label_smoothing, compile=s.compile,
+        loss_fn=hooks.loss_fn(),
     )
     global_batch = s.batch_size_per_worker * s.grad_accum_steps * worker.world
     log = Rank0Log(s, worker.rank, Progress(worker.name, hooks.end_step(s), global_batch, int(pos["step"])))
@@ -111,7 +112,7 @@ def _resume(s: LoopSettings, worker: Worker, hooks: LoopHooks, model: nn.Module,
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            state = load_train_state(d, model, optimizer, scheduler)
+            state = load_train_state(d, model, optimizer, scheduler, load_weights=hooks.load_weights)
     else:
         state = hooks.start_state(s, worker, model, optimizer, scheduler)
     if state is not None:
@@ -206,7 +207,7 @@ def _report(run: _Run, hooks: LoopHooks, report: dict[str, float], *, checkpoint
         return
     step = int(run.pos["step"])
     with tempfile.TemporaryDirectory() as tmp:
-        save_train_state(tmp, run.model, run.optimizer, run.scheduler, run.pos, rng)
+        save_train_state(tmp, run.model, run.optimizer, run.scheduler, run.pos, rng, save_weights=hooks.save_weights)
         hooks.write_checkpoint(tmp, run.pos)
         ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"checkpoint_{step:08d}")

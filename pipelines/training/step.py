@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,8 +180,12 @@ class TrainStep:
         clip_grad_norm: float | None = 1.0,
         label_smoothing: float = 0.0,
         compile: bool = False,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = torch.compile(model) if compile else model
+        # The loss of the model's output and the labels; None: cross-entropy of logits (an objective such as
+        # MAE's returns its own loss as the output).
+        self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.device = device
@@ -198,8 +202,11 @@ class TrainStep:
             sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with autocast(self.device, self.amp_dtype):
-                    logits = call_model(self.model, x)
-                loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
+                    output = call_model(self.model, x)
+                if self.loss_fn is None:
+                    loss = F.cross_entropy(output.float(), y, label_smoothing=self.label_smoothing)
+                else:
+                    loss = self.loss_fn(output, y)
                 (loss / accum).backward()
             total += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -244,15 +251,18 @@ def save_train_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     position: dict[str, int | float],
     rng_states: list[torch.Tensor],
+    *,
+    save_weights: Callable[[nn.Module, Path], Any] = vit.save_checkpoint,
 ) -> None:
-    """Write a resumable checkpoint: vit weights + config, and optimizer/scheduler/position/RNG.
+    """Write a resumable checkpoint: the weights (a vit checkpoint unless `save_weights` writes another
+    layout), and optimizer/scheduler/position/RNG.
 
     `position` holds the step and the data position (epoch, batches consumed in
     it); `rng_states` holds one torch RNG state per rank.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vit.save_checkpoint(model, directory)
+    save_weights(model, directory)
     state = {
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -267,10 +277,13 @@ def load_train_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    load_weights: Callable[[nn.Module, Path], None] | None = None,
 ) -> dict[str, Any]:
-    """Restore weights (and optimizer/scheduler when given) from `save_train_state`; returns the state dict."""
+    """Restore weights (a vit checkpoint's unless `load_weights` reads them), and optimizer/scheduler when given,
+    from `save_train_state`; returns the state dict."""
     directory = Path(directory)
-    model.load_state_dict(vit.load_checkpoint(directory).state_dict())
+    (load_weights or load_vit_weights)(model, directory)
     # weights_only: a checkpoint from shared storage must not be able to run code.
     state = torch.load(directory / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
     if optimizer is not None:
@@ -278,6 +291,11 @@ def load_train_state(
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     return state
+
+
+def load_vit_weights(model: nn.Module, directory: str | Path) -> None:
+    """Load a vit checkpoint directory's weights into `model` (strict)."""
+    model.load_state_dict(vit.load_checkpoint(directory).state_dict())
 
 
 def seed_everything(seed: int) -> None:
