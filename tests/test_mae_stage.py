@@ -1,16 +1,13 @@
 """MAE pretraining as a pretrain objective (issue 19 §2, §3, §5): on an unlabeled ingest, through the real
 stage on the session's Ray cluster, tracked on the session's `mlflow server`.
 
-The unlabeled ingest output is the session's tiny fractal ingest rewritten to the unlabeled contract
-(`"labeled": false` in manifest.json, `label` null in every shard), which is what an unlabeled ingest writes.
+The unlabeled data is the session's tiny fractal corpus through the real ingest with `labeled: false`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -19,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -41,24 +36,16 @@ DECODER = dict(decoder_dim=16, decoder_depth=1, decoder_heads=2)
 KILL_AT_STEP = 6  # after the checkpoint of step 4 is recorded
 
 
-def unlabeled_copy(source: str, target: Path) -> str:
-    """`source` (a finished local ingest output) as an unlabeled ingest writes it."""
-    shutil.copytree(source, target)
-    for shard in (target / "shards").glob("*.parquet"):
-        table = pq.read_table(shard)
-        labels = pa.nulls(table.num_rows, pa.int32())
-        table = table.set_column(table.schema.get_field_index("label"), pa.field("label", pa.int32()), labels)
-        pq.write_table(table, shard)
-    manifest = json.loads((target / "manifest.json").read_text())
-    manifest.update(labeled=False, classes={}, content_hash=manifest["content_hash"] + "-unlabeled")
-    manifest.pop("num_classes", None)
-    (target / "manifest.json").write_text(json.dumps(manifest))
-    return str(target)
-
-
 @pytest.fixture(scope="module")
 def unlabeled(tiny_dataset, tmp_path_factory) -> str:
-    return unlabeled_copy(tiny_dataset, tmp_path_factory.mktemp("unlabeled") / "out")
+    """The tiny fractal corpus ingested unlabeled (`labeled: false`), as the tiny ingest's sizes and splits."""
+    from pipelines.image.ingest import IngestConfig, run_ingest
+
+    corpus = Path(tiny_dataset).parent / "corpus"
+    config = IngestConfig(source=str(corpus), output=str(tmp_path_factory.mktemp("unlabeled") / "out"),
+                          labeled=False, image_size=16, patch_size=4, val_fraction=0.2, test_fraction=0.1,
+                          shard_size=32)
+    return run_ingest(config).output
 
 
 def mae_config(data: str, tmp: Path, tracking_uri: str, **overrides: Any) -> PretrainConfig:
