@@ -9,7 +9,8 @@ autocast on the device for bf16. Supervised: the ViT with a `--num-classes` head
 MAE: the same ViT without a head inside `vit.MaskedAutoencoder` (mask ratio 0.75, normalised-pixel
 loss, masks drawn on the device), once per `--decoders` entry: by default the paper's 512-wide, 8-deep
 decoder and its 256-wide ablation (Table 1b, ViT-L: 84.8 against 84.9 fine-tuned). After warm-up the steps
-take turns, each going first in turn; a ratio is the median over rounds of that round's MAE/supervised
+take turns, each going first in turn (`--compile only`: every model under `torch.compile`, so
+elementwise work — LayerNorms, GELUs, residual adds, which scale with tokens, not FLOPs — is fused alike); a ratio is the median over rounds of that round's MAE/supervised
 step times, so load from elsewhere cancels. `flop_ratio` is the same ratio by forward
 multiply-accumulates, the figure a compute-bound device would approach.
 Imports only torch and vit, so it runs where pydantic, Ray and MLflow are absent.
@@ -83,13 +84,16 @@ def _steps(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     labels = torch.randint(0, args.num_classes, (args.batch,), generator=g, device=device)
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
+    compiled = getattr(args, "compile", "none") == "only"
+
     def make(model, loss_of) -> Callable[[], None]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.05, fused=True)
+        run = torch.compile(model) if compiled else model  # the same parameters, a fused forward and backward
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
             with torch.autocast(**autocast):
-                loss = loss_of(model)
+                loss = loss_of(run)
             loss.backward()
             opt.step()
 
@@ -146,7 +150,8 @@ def run(args: argparse.Namespace, dtypes: dict[str, torch.dtype], clock: Callabl
         "objective": "mae", "model": args.model, "batch": args.batch, "image_size": args.image_size,
         "device": getattr(args, "device", "cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "mask_ratio": args.mask_ratio,
-        "steps": args.steps, "warmup": args.warmup, "target_mae_over_supervised": 0.4,
+        "steps": args.steps, "warmup": args.warmup, "compile": getattr(args, "compile", "none"),
+        "target_mae_over_supervised": 0.4,
     }
     config = vit.preset_config(args.model, image_size=args.image_size, num_classes=0)
     for d in args.decoders:
