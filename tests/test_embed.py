@@ -140,3 +140,17 @@ def test_actors_that_would_take_every_cpu_are_refused_in_one_line(ray_cluster, t
     with pytest.raises(ValueError, match=r"^num_workers x cpus_per_worker: 4 CPUs for the actors leave none of the "
                                          r"cluster's 4 to read the shards; ask for at most 3$"):
         run_embed(config)
+
+
+@pytest.mark.parametrize("output, words", [
+    ("DATA", "is the data's own location; embeddings go elsewhere"),
+    ("ftp://host/x", "ftp://host/x"),
+])
+def test_an_output_that_is_the_data_or_no_storage_uri_is_a_one_line_error_naming_it(tmp_path, output, words):
+    from pipelines.image.embed import load_config
+
+    data = str(tmp_path / "data")
+    with pytest.raises(ValueError) as err:
+        load_config({"data": data, "output": data if output == "DATA" else output})
+    message = str(err.value)
+    assert message.startswith("embed config: ") and "\n" not in message and words in message

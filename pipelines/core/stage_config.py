@@ -1,5 +1,6 @@
 """How every stage reads its config: a YAML/JSON file or a dict, `--set KEY=VALUE`
-overrides, validation at the edge, and one-line errors naming the stage and field."""
+overrides, validation at the edge, and one-line errors naming the stage and field; and
+the checks shared by stages that turn one stage's output into another (`DataToOutput`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,29 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
+
+from pipelines.core.storage import parse_uri
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+class DataToOutput(BaseModel):
+    """Base of a stage config that reads an ingested output (`data`) and writes its own (`output`)."""
+
+    data: str
+    output: str
+
+    @field_validator("data", "output")
+    @classmethod
+    def _valid_uri(cls, value: str) -> str:
+        parse_uri(value)  # raises ValueError naming the URI
+        return value
+
+    def check_output_apart(self, what: str) -> None:
+        """One line if `output` is `data`'s own location: writing `what` there would mix them into the input."""
+        if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
+            raise ValueError(f"output: {self.output} is the data's own location; {what} go elsewhere")
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:

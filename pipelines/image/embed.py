@@ -35,15 +35,15 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
-from pipelines.core.stage_config import load_stage_config
+from pipelines.core.stage_config import DataToOutput, load_stage_config
 from pipelines.core.stage_run import stage_run
-from pipelines.core.storage import S3Settings, open_store, parse_uri
+from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.uris import strip_userinfo
 from pipelines.image.data import normalize, patches_array
 from pipelines.image.embeddings import FORMAT, rows_hash, schema
@@ -67,7 +67,7 @@ __all__ = ["NOT_IDENTITY", "EmbedConfig", "EmbedResult", "PooledFeatures", "load
            "run_identity"]
 
 
-class EmbedConfig(BaseModel):
+class EmbedConfig(DataToOutput):
     """Configuration of the embed stage (validated at construction; holds no credentials)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,16 +91,9 @@ class EmbedConfig(BaseModel):
     run_name: str | None = None
     parent_run_id: str | None = None
 
-    @field_validator("data", "output")
-    @classmethod
-    def _valid_uri(cls, value: str) -> str:
-        parse_uri(value)  # raises ValueError naming the URI
-        return value
-
     @model_validator(mode="after")
     def _apart(self) -> EmbedConfig:
-        if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
-            raise ValueError(f"output: {self.output} is the data's own location; embeddings go elsewhere")
+        self.check_output_apart("embeddings")
         return self
 
 

@@ -38,15 +38,15 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
-from pipelines.core.stage_config import load_stage_config
-from pipelines.core.storage import S3Settings, open_store, parse_uri
+from pipelines.core.stage_config import DataToOutput, load_stage_config
+from pipelines.core.storage import S3Settings, open_store
 from pipelines.training.step import resolve_precision
 from pipelines.video import shards as video_shards
 from pipelines.core.shards import class_names
@@ -71,7 +71,7 @@ NOT_IDENTITY = {
 }
 
 
-class VideoFeaturesConfig(BaseModel):
+class VideoFeaturesConfig(DataToOutput):
     """Configuration of the video features stage (validated at construction; holds no credentials)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -94,16 +94,9 @@ class VideoFeaturesConfig(BaseModel):
     tracking_uri: str | None = None  # resolves runs:/ and models:/ inits; default $MLFLOW_TRACKING_URI
     experiment: str = "vitpipe"  # the pipeline runner records the stage as a child run in this experiment
 
-    @field_validator("data", "output")
-    @classmethod
-    def _valid_uri(cls, value: str) -> str:
-        parse_uri(value)  # raises ValueError naming the URI
-        return value
-
     @model_validator(mode="after")
     def _check(self) -> VideoFeaturesConfig:
-        if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
-            raise ValueError(f"output: {self.output} is the data's own location; features go elsewhere")
+        self.check_output_apart("features")
         check_backbone_choice(self.init, self.backbone, self.backbone_overrides)  # as video_train checks them
         return self
 
