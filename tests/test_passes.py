@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.core.datasets import key_seed, seeded_passes
+from pipelines.core.datasets import PassPlan, key_seed, read_items, seeded_passes
 
 FILES, TRAIN_ROWS, VAL_ROWS = 6, 4, 1
 
@@ -115,3 +115,13 @@ def test_every_pass_has_its_own_file_order(shard_paths, ordered):
     got = rows(passes(shard_paths, epochs=3, seed=5))
     orders = [[k for k, e, _ in got if e == epoch] for epoch in range(3)]
     assert len({tuple(order) for order in orders}) > 1
+
+
+def test_a_block_of_several_items_reads_them_one_after_another(shard_paths):
+    # Past MAX_BLOCKS items share a block; the task then reads its items in index order.
+    plan = PassPlan(shard_paths, pafs.LocalFileSystem(), "train", ("key", "split"), shuffle=False, order_seed=0)
+    batches = read_items({"id": np.arange(FILES - 1, FILES + 2)}, plan=plan, decode=decode_rows, decode_kwargs={},
+                          seed=0, batch_size=3)
+    got = [(k, int(e)) for batch in batches for k, e in zip(batch["key"].tolist(), batch["epoch"])]
+    last_file = [(k, 0) for k in file_keys(FILES - 1)[:TRAIN_ROWS]]
+    assert got == last_file + [(k, 1) for i in (0, 1) for k in file_keys(i)[:TRAIN_ROWS]]

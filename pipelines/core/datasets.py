@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PATCH_MEAN", "PATCH_STD", "PassPlan", "key_seed", "seeded_passes"]
+__all__ = ["PATCH_MEAN", "PATCH_STD", "PassPlan", "key_seed", "read_items", "seeded_passes"]
 
 PATCH_MEAN = 0.5  # per channel, on pixels scaled to [0, 1]
 PATCH_STD = 0.5
@@ -60,7 +60,7 @@ class PassPlan:
                              filters=pads.field("split") == self.split)
 
 
-def _read_items(
+def read_items(
     items: dict[str, np.ndarray], *, plan: PassPlan, decode: Callable[..., dict[str, np.ndarray]],
     decode_kwargs: dict[str, Any], seed: int | None, batch_size: int,
 ) -> Iterator[dict[str, np.ndarray]]:
@@ -104,6 +104,6 @@ def seeded_passes(
     # plans its read tasks up front, so past MAX_BLOCKS a block holds several in a row.
     items = ray.data.range(total, override_num_blocks=min(total, MAX_BLOCKS))
     return items.map_batches(
-        _read_items, batch_size=None, batch_format="numpy",
+        read_items, batch_size=None, batch_format="numpy",
         fn_kwargs={"plan": plan, "decode": decode, "decode_kwargs": fn_kwargs, "seed": seed, "batch_size": batch_size},
     )
