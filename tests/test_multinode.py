@@ -88,8 +88,8 @@ def test_pretraining_on_two_nodes_reaches_the_weights_of_a_one_node_run(nodes_cl
 
 def test_a_run_that_loses_a_node_resumes_from_its_s3_checkpoint_on_the_node_left(nodes_cluster, fractals,  # noqa: F811
                                                                                  s3_server, mlflow_server):
-    # One pass over the 322 training rows (40 steps of 2 × 4): each pass is a read branch of its own that Ray
-    # Data starts at once, and a dozen of them starved each other of this cluster's CPUs for minutes.
+    # One pass over the 322 training rows (40 steps of 2 × 4) keeps the proof short; many passes are tested
+    # to start with the first one in tests/test_passes.py.
     steps = 40
     config = pretrain_config(fractals, s3_server, mlflow_server, "node-loss", steps=steps, batch_size_per_worker=4,
                              checkpoint_interval=2, log_interval=2, max_failures=2, resources_per_worker=HALF_SLOT)
