@@ -96,7 +96,7 @@ def test_a_run_that_loses_a_node_resumes_from_its_s3_checkpoint_on_the_node_left
     driver = nodes_cluster.start_driver("pretrain", config)
     try:
         # Ray Train records a checkpoint in this snapshot once the checkpoint is whole on S3.
-        wait_for_key(s3_server.client(), BUCKET, "runs/node-loss/", "checkpoint_manager_snapshot.json", timeout=150)
+        wait_for_key(s3_server.client(), BUCKET, "runs/node-loss/", "checkpoint_manager_snapshot.json", timeout=300)
         lost = train_worker_node(nodes_cluster.env)
         nodes_cluster.kill_node(lost)
     except BaseException:
