@@ -8,11 +8,12 @@ Every step is forward, loss, backward and fused AdamW (`zero_grad(set_to_none=Tr
 autocast on the device for bf16. Supervised: the ViT with a `--num-classes` head and cross-entropy.
 MAE: the same ViT without a head inside `vit.MaskedAutoencoder` (mask ratio 0.75, normalised-pixel
 loss, masks drawn on the device), once per `--decoders` entry: by default the paper's 512-wide, 8-deep
-decoder and its 256-wide ablation (Table 1b, ViT-L: 84.8 against 84.9 fine-tuned). After warm-up the steps
-take turns, each going first in turn (`--compile only`: every model under `torch.compile`, so
-elementwise work — LayerNorms, GELUs, residual adds, which scale with tokens, not FLOPs — is fused alike); a ratio is the median over rounds of that round's MAE/supervised
-step times, so load from elsewhere cancels. `flop_ratio` is the same ratio by forward
-multiply-accumulates, the figure a compute-bound device would approach.
+decoder and its 256-wide ablation (Table 1b, ViT-L: 84.8 against 84.9 fine-tuned). With `--compile only`
+every model runs under `torch.compile`, so elementwise work (LayerNorms, GELUs, residual adds, which scale
+with tokens, not FLOPs) is fused alike. After warm-up the steps take turns, each going first in turn; a
+ratio is the median over rounds of that round's MAE/supervised step times, so load from elsewhere cancels.
+`flop_ratio` is the same ratio by forward multiply-accumulates, the figure a compute-bound device would
+approach.
 Imports only torch and vit, so it runs where pydantic, Ray and MLflow are absent.
 """
 
