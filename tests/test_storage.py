@@ -3,6 +3,7 @@ and the URI scrubber every log line and error message goes through (`pipelines.c
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import pickle
 
@@ -11,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.core.errors import StorageError
+from pipelines.core.s3 import parse_timestamp
 from pipelines.core.storage import LocalStore, S3Settings, open_store, parse_uri, ray_storage
 from pipelines.core.uris import strip_userinfo
 
@@ -139,6 +141,24 @@ def test_s3_store_round_trips_bytes(s3_env, s3_bucket):
     assert store.read("x/y.bin") == b"payload"
     store.delete("x/y.bin")
     assert not store.exists("x/y.bin")
+
+
+def test_s3_clients_read_listing_and_header_timestamps_as_aware_utc_datetimes(s3_env, s3_bucket):
+    # The listing client reads LastModified with the fast ISO 8601 path; headers (RFC 822) take botocore's.
+    client = S3Settings(s3_env.endpoint_url).boto3_client("s3")
+    client.put_object(Bucket=s3_bucket, Key="stamp/a", Body=b"x")
+    listed = client.list_objects_v2(Bucket=s3_bucket, Prefix="stamp/")["Contents"][0]["LastModified"]
+    headed = client.head_object(Bucket=s3_bucket, Key="stamp/a")["LastModified"]
+    assert listed.utcoffset() == headed.utcoffset() == dt.timedelta(0)
+    assert abs(listed - headed) < dt.timedelta(seconds=1)  # the header has whole seconds
+
+
+@pytest.mark.parametrize("value", ["2026-12-05T03:50:00.123Z", "2026-12-05T03:50:00", "Sat, 05 Dec 2026 03:50:00 GMT",
+                                   1796441400, "1796441400"])
+def test_parse_timestamp_agrees_with_botocores_parser(value):
+    from botocore.utils import parse_timestamp as botocore_parse
+
+    assert parse_timestamp(value) == botocore_parse(value)  # naive against aware compares unequal
 
 
 def test_settings_resolve_the_endpoint_from_the_environment_and_clients_use_its_credentials(s3_env, s3_bucket):
