@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import posixpath
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -135,6 +137,39 @@ def write_shard(store: Any, key: str, table: pa.Table, summary: Mapping[str, Any
             row_group_size=max(1, (32 << 20) // row_bytes),  # ~32 MiB row groups: a good Ray Data block
             **WRITE_OPTIONS,
         )
+
+
+def regroup(source: Store, keys: Sequence[str], stream: Callable[[Any, list[str]], Iterable[pa.Table]], *,
+            unit: str) -> Iterator[tuple[str, list[pa.Table]]]:
+    """The rows an actor pool computed from the source shards `keys`, collected back per source shard.
+
+    Each shard's row count comes from its Parquet footer; `stream(filesystem, paths)` is called with the paths
+    of the shards that have rows and yields batches whose `path` column is each row's source file name.
+    Yields `(key, parts)`, the parts without `path`: every empty shard first, then each shard as soon as its
+    last row is back. Raises VitpipeError naming the first shard whose rows, counted in `unit` ("images"),
+    did not all come back.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    filesystem, _ = source.arrow()
+    paths = {key: source.arrow(key)[1] for key in keys}
+    expected = {key: pq.read_metadata(path, filesystem=filesystem).num_rows for key, path in paths.items()}
+    by_name = {posixpath.basename(path): key for key, path in paths.items()}
+    parts: dict[str, list[pa.Table]] = {key: [] for key in keys if expected[key]}
+    got: Counter[str] = Counter()
+    yield from ((key, []) for key in keys if not expected[key])
+    for batch in stream(filesystem, [paths[key] for key in parts]) if parts else ():
+        for name in set(batch.column("path").to_pylist()):
+            key = by_name[name]
+            part = batch.filter(pc.equal(batch.column("path"), name)).drop_columns(["path"])
+            parts[key].append(part)
+            got[key] += part.num_rows
+            if got[key] == expected[key]:
+                yield key, parts.pop(key)
+    if parts:
+        key = min(parts)
+        raise VitpipeError(f"{source.child_uri(key)}: {got[key]} of {expected[key]} {unit} came back")
 
 
 def read_summary(filesystem: Any, path: str) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ finished. The stage is one MLflow run (params, images, images/s, the manifest).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -40,7 +41,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.cluster import connect
-from pipelines.core.errors import VitpipeError
 from pipelines.core.stage_config import DataToOutput, load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
@@ -284,33 +284,11 @@ def _shard_fingerprint(fingerprint: str, key: str) -> str:
 
 def _compute(work: _Work, source: Any, out: Any, keys: list[str]) -> dict[str, dict[str, Any]]:
     """Embeddings of the ingest shards `keys` on the actor pool; each shard is written once all its rows came."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    filesystem, _ = source.arrow()
-    paths = {key: source.arrow(key)[1] for key in keys}
-    expected = {key: pq.read_metadata(path, filesystem=filesystem).num_rows for key, path in paths.items()}
-    by_name = {posixpath.basename(path): key for key, path in paths.items()}
-    parts: dict[str, list[pa.Table]] = {key: [] for key in keys}
-    got: Counter[str] = Counter()
-    summaries = {key: _write(work, out, key, []) for key in keys if expected[key] == 0}
-    nonempty = [paths[k] for k in keys if expected[k]]
-    batches = _embedded_batches(work, nonempty, filesystem) if nonempty else []
-    for batch in batches:
-        for name in set(batch.column("path").to_pylist()):
-            key = by_name[name]
-            part = batch.filter(pc.equal(batch.column("path"), name)).drop_columns(["path"])
-            parts[key].append(part)
-            got[key] += part.num_rows
-            if got[key] == expected[key]:
-                summaries[key] = _write(work, out, key, parts.pop(key))
-    missing = sorted(set(keys) - set(summaries))
-    if missing:
-        raise VitpipeError(f"{source.child_uri(missing[0])}: {got[missing[0]]} of {expected[missing[0]]} images came back")
-    return summaries
+    stream = functools.partial(_embedded_batches, work)
+    return {key: _write(work, out, key, parts) for key, parts in shards.regroup(source, keys, stream, unit="images")}
 
 
-def _embedded_batches(work: _Work, paths: list[str], filesystem: Any) -> Any:
+def _embedded_batches(work: _Work, filesystem: Any, paths: list[str]) -> Any:
     """The embedding rows of the ingest shards at `paths` (with each row's shard `path`), as the actor pool
     streams them back."""
     import ray

@@ -27,6 +27,7 @@ run reuses the feature shards it finished (their footers carry a fingerprint).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -245,40 +246,28 @@ def _shard_fingerprint(fingerprint: str, key: str) -> str:
 def _compute(config: VideoFeaturesConfig, initial: Any, bf16: bool, source: Any, out: Any, keys: list[str],
              fingerprint: str) -> dict[str, dict[str, Any]]:
     """Features of the video shards `keys` on the actor pool; each feature shard is written once all its rows came."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+    stream = functools.partial(_feature_batches, config, initial, bf16)
+    return {key: _write(config, out, key, parts, fingerprint)
+            for key, parts in shards.regroup(source, keys, stream, unit="videos")}
+
+
+def _feature_batches(config: VideoFeaturesConfig, initial: Any, bf16: bool, filesystem: Any, paths: list[str]) -> Any:
+    """The feature rows of the video shards at `paths` (with each row's shard `path`), as the actor pool
+    streams them back."""
+    import ray
     import ray.data
 
-    filesystem, _ = source.arrow()
-    paths = {key: source.arrow(key)[1] for key in keys}
-    expected = {key: pq.read_metadata(path, filesystem=filesystem).num_rows for key, path in paths.items()}
-    by_name = {posixpath.basename(path): key for key, path in paths.items()}
-    parts: dict[str, list[pa.Table]] = {key: [] for key in keys}
-    got = Counter()
-    summaries = {key: _write(config, out, key, [], fingerprint) for key in keys if expected[key] == 0}
-    model = ray.put(initial.model)
-    threads = max(1, round(config.cpus_per_worker))
-    ds = (ray.data.read_parquet([paths[k] for k in keys if expected[k]], filesystem=filesystem, include_paths=True)
+    ds = (ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True)
           .select_columns([*video_shards.COLUMNS, "path"]))
+    threads = max(1, round(config.cpus_per_worker))
     ds = ds.map_batches(
-        FrameFeatures, fn_constructor_kwargs=dict(model=[model], frame_size=initial.frame_size,
+        FrameFeatures, fn_constructor_kwargs=dict(model=[ray.put(initial.model)], frame_size=initial.frame_size,
                                                   batch_size=config.batch_size, bf16=bf16,
                                                   dtype=config.feature_dtype, threads=threads),
         batch_size=config.videos_per_batch, batch_format="pyarrow", concurrency=config.num_workers,
         num_cpus=config.cpus_per_worker,
     )
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        for name in set(batch.column("path").to_pylist()):
-            key = by_name[name]
-            part = batch.filter(pc.equal(batch.column("path"), name)).drop_columns(["path"])
-            parts[key].append(part)
-            got[key] += part.num_rows
-            if got[key] == expected[key]:
-                summaries[key] = _write(config, out, key, parts.pop(key), fingerprint)
-    missing = sorted(set(keys) - set(summaries))
-    if missing:
-        raise VitpipeError(f"{source.child_uri(missing[0])}: {got[missing[0]]} of {expected[missing[0]]} videos came back")
-    return summaries
+    return ds.iter_batches(batch_format="pyarrow", batch_size=None)
 
 
 def _write(config: VideoFeaturesConfig, out: Any, key: str, parts: list[pa.Table], fingerprint: str) -> dict[str, Any]:
