@@ -11,6 +11,7 @@ call wait a modelled round trip (`--latency-ms`, each value in turn; 0: loopback
 Then, for each latency, after one warm-up of each:
 
 * sequential: `Store.list_entries`, one `list_objects_v2` stream of 1,000-key pages;
+* sequential_dateutil: the same with botocore's own timestamp parser, not vitpipe's;
 * parallel: `pipelines.core.listing.source_entries`, what the ingest's plan task uses: the
   class folders from one `Delimiter="/"` listing, each folder listed by a Ray task, `--width`
   folders in flight, pages consumed in key order,
@@ -31,6 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import boto3
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -113,38 +117,59 @@ def start_server(keys: int, prefixes: int, latency_file: Path) -> tuple[subproce
     return proc, url
 
 
-def measure(url: str, rounds: int, width: int) -> dict[str, list[float]]:
-    """Seconds per round for each way of listing, alternating after one warm-up of each."""
+def server_cpu(server: psutil.Process) -> float:
+    """The server process's CPU seconds so far (user + system)."""
+    times = server.cpu_times()
+    return times.user + times.system
+
+
+def measure(url: str, server: psutil.Process, rounds: int, width: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per round for each way of listing, and the server's CPU seconds in them, alternating after
+    one warm-up of each."""
     store = open_store(f"s3://{BUCKET}/corpus", S3Settings.resolve(url))
+    # The same listing through a client with botocore's own timestamp parser (dateutil), as vitpipe's
+    # clients had it before they read ISO 8601 with `datetime.fromisoformat`.
+    dateutil_store = open_store(f"s3://{BUCKET}/corpus", S3Settings.resolve(url))
+    dateutil_store._client = boto3.session.Session().client("s3", endpoint_url=url, region_name="us-east-1")
     ways = {
         "sequential": lambda: [e for page in store.list_entries(page_size=PAGE) for e in page],
+        "sequential_dateutil": lambda: [e for page in dateutil_store.list_entries(page_size=PAGE) for e in page],
         "parallel": lambda: [e for page in source_entries(store, width=width, page_size=PAGE) for e in page],
     }
-    start = time.perf_counter()
-    expected = ways["sequential"]()
-    print(f"warm-up sequential: {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    if ways["parallel"]() != expected:
-        raise SystemExit("the parallel listing differs from the sequential one")
-    print(f"warm-up parallel: {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
-    times: dict[str, list[float]] = {name: [] for name in ways}
+    expected = None
+    for name, way in ways.items():
+        start = time.perf_counter()
+        entries = way()
+        expected = entries if expected is None else expected
+        if entries != expected:
+            raise SystemExit(f"the {name} listing differs from the sequential one")
+        print(f"warm-up {name}: {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "server_cpu": []} for name in ways}
     for _ in range(rounds):
         for name, way in ways.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), server_cpu(server)
             count = len(way())
-            times[name].append(time.perf_counter() - start)
+            times[name]["wall"].append(time.perf_counter() - start)
+            times[name]["server_cpu"].append(server_cpu(server) - cpu)
             assert count == len(expected)
-            print(f"{name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)  # progress, not the result
+            print(f"{name}: {times[name]['wall'][-1]:.2f} s", file=sys.stderr, flush=True)  # progress, not the result
     return times
 
 
-def summary(times: dict[str, list[float]], keys: int, scale: int) -> dict[str, object]:
-    """Medians as keys/s, the speed-up, and both scaled to `scale` keys."""
-    rate = {name: keys / statistics.median(t) for name, t in times.items()}
+def summary(times: dict[str, dict[str, list[float]]], keys: int, scale: int) -> dict[str, object]:
+    """Medians as keys/s, the speed-up, both scaled to `scale` keys, and how busy the server was: a share
+    near 1 means that way of listing waited on the server's one Python thread, not on round trips."""
+    rate = {name: keys / statistics.median(t["wall"]) for name, t in times.items()}
+    busy = {name: statistics.median(c / w for c, w in zip(t["server_cpu"], t["wall"])) for name, t in times.items()}
     return {
-        "sequential_s": [round(t, 2) for t in times["sequential"]],
-        "parallel_s": [round(t, 2) for t in times["parallel"]],
+        "sequential_s": [round(t, 2) for t in times["sequential"]["wall"]],
+        "parallel_s": [round(t, 2) for t in times["parallel"]["wall"]],
+        "server_cpu_share_sequential": round(busy["sequential"], 2),
+        "server_cpu_share_parallel": round(busy["parallel"], 2),
+        "server_cpu_us_per_key": round(statistics.median(times["sequential"]["server_cpu"]) / keys * 1e6, 1),
+        "sequential_dateutil_s": [round(t, 2) for t in times["sequential_dateutil"]["wall"]],
         "sequential_keys_per_s": round(rate["sequential"]),
+        "sequential_dateutil_keys_per_s": round(rate["sequential_dateutil"]),
         "parallel_keys_per_s": round(rate["parallel"]),
         "speedup": round(rate["parallel"] / rate["sequential"], 2),
         "sequential_minutes_at_scale": round(scale / rate["sequential"] / 60, 1),
@@ -181,7 +206,8 @@ def main() -> None:
                  log_to_driver=False)
         for latency in args.latency_ms.split(","):
             latency_file.write_text(latency)
-            report[f"latency_{latency}ms"] = summary(measure(url, args.rounds, args.width), args.keys, args.scale)
+            times = measure(url, psutil.Process(proc.pid), args.rounds, args.width)
+            report[f"latency_{latency}ms"] = summary(times, args.keys, args.scale)
     finally:
         ray.shutdown()
         proc.terminate()
