@@ -5,7 +5,9 @@
 Uses `ingest_throughput`'s corpus (`/tmp/feed-bench`), warm-up and shard function. Variants:
 `default` (the stage as it is), `no_progress` (Ray Data's progress bars off), `actors` (the
 shard step on an `ActorPoolStrategy(size=2)` of callable-class actors, patched in for the run),
-`actors_no_progress`. Prints one JSON object: per variant the median images/s, the rounds,
+`actors_no_progress`, `queue_ahead_2` (Ray Data's CPU limit 2 above the cluster's),
+`no_memory_poll` (no per-task memory polling thread), `default_scheduling` (Ray's default placement
+instead of SPREAD), and combinations. Prints one JSON object: per variant the median images/s, the rounds,
 the driver's CPU seconds and the ratio to plain Ray tasks.
 """
 import json, os, statistics, sys, time
@@ -44,6 +46,18 @@ def actor_pipeline(config, source, manifest, out, fingerprint, process):
         return ORIG(config, source, manifest, out, fingerprint, process)
     finally:
         ray.data.Dataset.map_batches = real_map
+def queue_ahead(extra: int):
+    """Ray Data's CPU limit raised above the cluster's, so `extra` shard tasks wait queued at the raylet
+    and start the moment a CPU frees, as plain tasks all submitted at once do."""
+    options = ray.data.ExecutionOptions()
+    options.resource_limits = options.resource_limits.copy(cpu=2 + extra)
+    return {"execution_options": options}
+VARIANTS["queue_ahead_2"] = queue_ahead(2)
+VARIANTS["queue_ahead_2_no_progress"] = {**queue_ahead(2), **VARIANTS["no_progress"]}
+# Each Ray Data task polls its process's memory in a thread (every second) and builds per-block stats.
+VARIANTS["no_memory_poll"] = {"memory_usage_poll_interval_s": None}
+# Ray Data spreads map tasks over nodes by default; plain tasks use Ray's default placement.
+VARIANTS["default_scheduling"] = {"scheduling_strategy": "DEFAULT"}
 VARIANTS["actors"] = {"__pipeline__": actor_pipeline}
 VARIANTS["actors_no_progress"] = {"__pipeline__": actor_pipeline, "enable_progress_bars": False, "enable_operator_progress_bars": False}
 names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(VARIANTS)
