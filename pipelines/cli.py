@@ -287,6 +287,7 @@ def run(
     force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
+    from pipelines.core.tracking import browse_hint  # deferred: tracking imports MLflow
     from pipelines.runner import run_pipeline  # deferred: the runner imports MLflow
     from pipelines.spec import load_spec  # deferred: the spec imports MLflow (core.tracking)
 
@@ -295,6 +296,7 @@ def run(
     result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())
     typer.echo(f"pipeline run {result.run_id} in {strip_userinfo(pipeline_spec.resolved_tracking_uri())}")
+    typer.echo(browse_hint(pipeline_spec.resolved_tracking_uri(), result.run_id))
     _exit_if_failed(result)
 
 
@@ -305,14 +307,14 @@ def demo(
     video: bool = typer.Option(False, "--video", help="The video demo: a VTN on the pretrained ViT, on generated videos."),
 ) -> None:
     """Pretrain on synthetic fractals, fine-tune on digits from it and from scratch, and compare (local, ~15 min)."""
+    from pipelines.core.tracking import browse_hint  # deferred: tracking imports MLflow
     from pipelines.demo import run_demo  # deferred: the demo imports MLflow
 
     _log_progress()
     result, comparison = run_demo(workdir, sets, video=video)
     typer.echo(result.table())
     typer.echo(comparison)
-    db = Path(workdir).resolve() / "mlflow.db"
-    typer.echo(f"\nbrowse the runs: mlflow ui --backend-store-uri sqlite:///{db}")
+    typer.echo("\n" + browse_hint(f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}", result.run_id))
     _exit_if_failed(result)
 
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
 from pipelines.runner import PipelineResult, run_pipeline
 from pipelines.spec import PipelineSpec, load_spec
@@ -177,13 +178,24 @@ def test_the_mlflow_ui_opens_the_experiment_on_its_runs_table(runs, mlflow_serve
     assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
     # MLflow 3.17's UI takes the kind from its GenAI / Model training switch, not from the tag: the address's
     # `workflowType`, else the browser's last choice, GenAI in a fresh one (its overview lists no run).
-    # The experiment's address as the README gives it opens on the runs table.
-    page = f"{mlflow_server}/#/experiments/{experiment}?workflowType=machine_learning"
+    # The link that `vitpipe run` prints opens a fresh browser on the runs table.
+    page = tracking.browse_hint(mlflow_server, first.run_id).removeprefix("browse the runs: ")
+    assert page == tracking.experiment_page(mlflow_server, experiment)
     dom = _chromium(f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", page).stdout
     assert "Run Name" in dom and "tiny" in dom  # the runs table's header, and the pipeline run's name in it
     shot = tmp_path / "runs.png"
     _chromium(f"--user-data-dir={tmp_path / 'profile-shot'}", f"--screenshot={shot}", "--window-size=1400,900", page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_the_link_printed_for_a_local_store_names_mlflow_ui_and_the_runs_table_page(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("local")
+    run = client.create_run(experiment).info.run_id
+    assert tracking.browse_hint(uri, run) == (
+        f"browse the runs: mlflow ui --backend-store-uri {uri}, "
+        f"then http://127.0.0.1:5000/#/experiments/{experiment}?workflowType=machine_learning")
 
 
 def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretraining(ray_cluster, corpus, tmp_path):

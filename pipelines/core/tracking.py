@@ -33,8 +33,8 @@ TAG_CONFIG_HASH = "vitpipe.config_hash"
 TAG_PARENT = "mlflow.parentRunId"
 # The experiment's kind for MLflow 3's UI: model training, its `ExperimentKind.CUSTOM_MODEL_DEVELOPMENT`.
 # MLflow 3.17's UI shows the kind its GenAI / Model training switch names instead (the address's
-# `?workflowType=machine_learning`, else the browser's last choice, GenAI at first), so the README's
-# experiment links carry that query; the tag keeps the kind for the UIs and clients that read it.
+# `?workflowType=machine_learning`, else the browser's last choice, GenAI at first), so the links vitpipe
+# prints (`experiment_page`) carry that query; the tag keeps the kind for the UIs and clients that read it.
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
@@ -121,6 +121,21 @@ def system_info(num_workers: int, use_gpu: bool) -> dict[str, str]:
         tags["vitpipe.cluster_gpus"] = str(int(resources.get("GPU", 0)))
         tags["vitpipe.cluster_nodes"] = str(len([n for n in ray.nodes() if n.get("Alive")]))
     return tags
+
+
+def experiment_page(ui_url: str, experiment_id: str) -> str:
+    """The experiment's page in the MLflow UI at `ui_url`, on its runs table (see `TAG_EXPERIMENT_KIND`)."""
+    return f"{strip_userinfo(ui_url).rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
+def browse_hint(tracking_uri: str, run_id: str) -> str:
+    """Where to see `run_id`'s experiment: the tracking server's page, or for a local store the
+    `mlflow ui` command to start and the page it serves."""
+    experiment = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"browse the runs: {experiment_page(tracking_uri, experiment)}"
+    return (f"browse the runs: mlflow ui --backend-store-uri {strip_userinfo(tracking_uri)}, "
+            f"then {experiment_page('http://127.0.0.1:5000', experiment)}")
 
 
 def get_or_create_experiment(client: MlflowClient, name: str) -> str:
