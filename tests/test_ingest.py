@@ -19,6 +19,7 @@ from pipelines.core import shards
 from pipelines.image.patches import decode_image
 from pipelines.image.ingest import IngestConfig, run_ingest
 from tests.process_output import result_json
+from tests.shard_output import assert_resume_writes_only_the_missing_shard, mtimes
 
 CLASSES = ["ant", "bee", "cow"]
 PER_CLASS = 30
@@ -66,10 +67,6 @@ def read_rows(output: str) -> dict[str, dict]:
             assert row["key"] not in rows, f"{row['key']} appears twice"
             rows[row["key"]] = row
     return rows
-
-
-def mtimes(root: str) -> dict[str, int]:
-    return {str(p): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -172,21 +169,8 @@ def test_force_rewrites_every_shard_of_a_finished_output(ray_cluster, corpus, in
 
 
 def test_resume_rewrites_only_the_missing_shard(ray_cluster, corpus, ingested, tmp_path):
-    out = tmp_path / "resumed"
-    shutil.copytree(ingested.output, out)
-    # An interruption: the last shard never landed, a temporary file was left behind, no marker.
-    (out / shards.SUCCESS).unlink()
-    lost = out / ingested.manifest["shards"][-1]["path"]
-    lost.unlink()
-    (out / "shards" / ".tmp-vitpipe-1234-shard-000099.parquet").write_bytes(b"partial")
-    before = mtimes(str(out))
-    result = run_ingest(config(corpus[0], out))
-    assert (result.shards_written, result.shards_reused) == (1, len(ingested.manifest["shards"]) - 1)
-    after = mtimes(str(out))
-    untouched = [p for p in before if p.endswith(".parquet") and ".tmp-vitpipe" not in p]
-    assert all(after[p] == before[p] for p in untouched)
-    assert lost.exists() and not any(".tmp-vitpipe" in p for p in after)
-    assert result.manifest["content_hash"] == ingested.manifest["content_hash"]
+    assert_resume_writes_only_the_missing_shard(ingested, tmp_path / "resumed",
+                                                lambda out: run_ingest(config(corpus[0], out)))
 
 
 def test_changed_config_replaces_the_output(ray_cluster, corpus, ingested, tmp_path):

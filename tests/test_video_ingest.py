@@ -28,6 +28,7 @@ from pipelines.video.data import read_video_manifest
 from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
 from pipelines.video.decode import clip_indices, full_indices
 from tests.process_output import result_json
+from tests.shard_output import assert_resume_writes_only_the_missing_shard, mtimes
 
 SEED, SIZE, FRAMES, CLASSES, VIDEOS = 0, 32, 16, 4, 24
 FRAME_SIZE, MAX_FRAMES = 16, 16
@@ -117,10 +118,6 @@ def read_rows(output: str) -> dict[str, dict]:
             assert row["key"] not in rows, f"{row['key']} appears twice"
             rows[row["key"]] = row
     return rows
-
-
-def mtimes(root: str) -> dict[str, int]:
-    return {str(p): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}
 
 
 def resized(frames: np.ndarray, size: int) -> np.ndarray:
@@ -279,20 +276,8 @@ def test_rerun_with_the_same_config_does_nothing(ray_cluster, corpus, ingested):
 
 
 def test_resume_writes_only_the_missing_shard(ray_cluster, corpus, ingested, tmp_path):
-    out = tmp_path / "resumed"
-    shutil.copytree(ingested.output, out)
-    (out / shards.SUCCESS).unlink()
-    lost = out / ingested.manifest["shards"][-1]["path"]
-    lost.unlink()
-    (out / "shards" / ".tmp-vitpipe-1234-shard-000099.parquet").write_bytes(b"partial")
-    before = mtimes(str(out))
-    result = run_video_ingest(config(corpus[0], out))
-    assert (result.shards_written, result.shards_reused) == (1, len(ingested.manifest["shards"]) - 1)
-    after = mtimes(str(out))
-    untouched = [p for p in before if p.endswith(".parquet") and ".tmp-vitpipe" not in p]
-    assert all(after[p] == before[p] for p in untouched)
-    assert lost.exists() and not any(".tmp-vitpipe" in p for p in after)
-    assert result.manifest["content_hash"] == ingested.manifest["content_hash"]
+    assert_resume_writes_only_the_missing_shard(ingested, tmp_path / "resumed",
+                                                lambda out: run_video_ingest(config(corpus[0], out)))
 
 
 def test_changed_sampling_replaces_the_output(ray_cluster, corpus, ingested, tmp_path):

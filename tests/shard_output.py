@@ -1,0 +1,34 @@
+"""What the ingest tests of every kind check on a finished output folder: file times, and resuming one
+that an interruption left without its last shard."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipelines.core import shards
+
+
+def mtimes(root: str) -> dict[str, int]:
+    """Every file under `root` with its modification time (ns)."""
+    return {str(p): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}
+
+
+def assert_resume_writes_only_the_missing_shard(finished: Any, out: Path, rerun: Callable[[Path], Any]) -> None:
+    """Copy the `finished` ingest to `out`, interrupt it there (the last shard never landed, a temporary
+    file left behind, no marker), `rerun(out)`, and check that only the lost shard was written."""
+    shutil.copytree(finished.output, out)
+    (out / shards.SUCCESS).unlink()
+    lost = out / finished.manifest["shards"][-1]["path"]
+    lost.unlink()
+    (out / "shards" / ".tmp-vitpipe-1234-shard-000099.parquet").write_bytes(b"partial")
+    before = mtimes(str(out))
+    result = rerun(out)
+    assert (result.shards_written, result.shards_reused) == (1, len(finished.manifest["shards"]) - 1)
+    after = mtimes(str(out))
+    untouched = [p for p in before if p.endswith(".parquet") and ".tmp-vitpipe" not in p]
+    assert all(after[p] == before[p] for p in untouched)
+    assert lost.exists() and not any(".tmp-vitpipe" in p for p in after)
+    assert result.manifest["content_hash"] == finished.manifest["content_hash"]
