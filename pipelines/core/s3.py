@@ -90,7 +90,8 @@ class S3Settings:
 
 def parse_timestamp(value: Any) -> datetime:
     """botocore's timestamp parser, with ISO 8601 text (every `LastModified` of a LIST page) read by
-    `datetime.fromisoformat`: ~0.1 µs a key instead of dateutil's ~32 µs, half a listing client's CPU."""
+    `datetime.fromisoformat`: ~0.1 µs a key instead of dateutil's ~32 µs (61 → 22 µs of a listing client's
+    CPU a key)."""
     from botocore.utils import parse_timestamp as botocore_parse
 
     if isinstance(value, str):
