@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -296,7 +295,7 @@ def run(
     result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())
     typer.echo(f"pipeline run {result.run_id} in {strip_userinfo(pipeline_spec.resolved_tracking_uri())}")
-    typer.echo(browse_hint(pipeline_spec.resolved_tracking_uri(), result.run_id))
+    typer.echo(browse_hint(result.tracking_uri, result.run_id))
     _exit_if_failed(result)
 
 
@@ -314,7 +313,7 @@ def demo(
     result, comparison = run_demo(workdir, sets, video=video)
     typer.echo(result.table())
     typer.echo(comparison)
-    typer.echo("\n" + browse_hint(f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}", result.run_id))
+    typer.echo("\n" + browse_hint(result.tracking_uri, result.run_id))  # the demo's store, or `--set tracking_uri`
     _exit_if_failed(result)
 
 

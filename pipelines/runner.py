@@ -52,6 +52,7 @@ class PipelineResult:
 
     name: str
     run_id: str
+    tracking_uri: str  # where the runs are recorded (as the spec resolved it)
     rows: list[StageRow] = field(default_factory=list)
     outputs: dict[str, Any] = field(default_factory=dict)
 
@@ -97,8 +98,10 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     stamp = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's forced runs
 
     connect(ray_address)
-    client = MlflowClient(spec.resolved_tracking_uri())
-    context = _Context(spec, client, PipelineResult(spec.name, _start_pipeline_run(client, spec)), ray_address)
+    tracking_uri = spec.resolved_tracking_uri()
+    client = MlflowClient(tracking_uri)
+    result = PipelineResult(spec.name, _start_pipeline_run(client, spec), tracking_uri)
+    context = _Context(spec, client, result, ray_address)
     pipeline = context.pipeline
     for name in spec.order():
         pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))

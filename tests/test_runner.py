@@ -179,7 +179,7 @@ def test_the_mlflow_ui_opens_the_experiment_on_its_runs_table(runs, mlflow_serve
     # MLflow 3.17's UI takes the kind from its GenAI / Model training switch, not from the tag: the address's
     # `workflowType`, else the browser's last choice, GenAI in a fresh one (its overview lists no run).
     # The link that `vitpipe run` prints opens a fresh browser on the runs table.
-    page = tracking.browse_hint(mlflow_server, first.run_id).removeprefix("browse the runs: ")
+    page = tracking.browse_hint(first.tracking_uri, first.run_id).removeprefix("browse the runs: ")
     assert page == tracking.experiment_page(mlflow_server, experiment)
     dom = _chromium(f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", page).stdout
     assert "Run Name" in dom and "tiny" in dom  # the runs table's header, and the pipeline run's name in it
