@@ -255,6 +255,17 @@ def test_ray_storage_gives_a_pyarrow_filesystem_that_can_write_to_s3(s3_env, s3_
     assert pq.read_table(f"{path}/t.parquet", filesystem=fs).column("x").to_pylist() == [1, 2, 3]
 
 
+def test_an_s3_store_reads_every_key_through_one_arrow_filesystem(s3_env, s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/shards")
+    for name in ("a.parquet", "b.parquet"):
+        fs, path = store.arrow(name)
+        pq.write_table(pa.table({"x": [len(name)]}), path, filesystem=fs)
+    assert store.arrow("a.parquet")[0] is store.arrow("b.parquet")[0]
+    copy = pickle.loads(pickle.dumps(store))  # a Ray worker's copy makes its own
+    fs, path = copy.arrow("b.parquet")
+    assert pq.read_table(path, filesystem=fs).column("x").to_pylist() == [9]
+
+
 def test_local_listing_survives_a_symlink_loop(tmp_path):
     _put_local(tmp_path, ["a/x.jpg"])
     (tmp_path / "a" / "loop").symlink_to(tmp_path)

@@ -247,10 +247,11 @@ class S3Store(Store):
         self.uri = location.uri
         self.settings = settings
         self._client: Any = None
+        self._filesystem: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_client"] = None  # clients do not pickle; each process makes its own
+        state["_client"] = state["_filesystem"] = None  # clients do not pickle; each process makes its own
         return state
 
     @property
@@ -368,7 +369,10 @@ class S3Store(Store):
             raise self.error(exc) from None
 
     def arrow(self, key: str = "") -> tuple[Any, str]:
-        return self.settings.arrow_filesystem(), f"{self.bucket}/{self._key(key)}"
+        # One filesystem per store: each new one sets up its own AWS client (~10 ms), once per shard in a loop.
+        if self._filesystem is None:
+            self._filesystem = self.settings.arrow_filesystem()
+        return self._filesystem, f"{self.bucket}/{self._key(key)}"
 
 
 def _check_size(uri: str, size: int, max_bytes: int | None) -> None:
