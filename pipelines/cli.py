@@ -294,7 +294,7 @@ def run(
     _log_progress()
     result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())
-    typer.echo(f"pipeline run {result.run_id} in {strip_userinfo(pipeline_spec.resolved_tracking_uri())}")
+    typer.echo(f"pipeline run {result.run_id} in {strip_userinfo(result.tracking_uri)}")
     typer.echo(browse_hint(result.tracking_uri, result.run_id))
     _exit_if_failed(result)
 
