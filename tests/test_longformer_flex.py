@@ -17,7 +17,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from tests.test_longformer_attention import dense_reference, hf_pair, make_case, run_hf
 from vit.attention import global_positions, sliding_window_attention
-from vit.flex_longformer import BLOCK, band_block_mask, choose_kernel, from_classes, to_classes
+from vit import flex_longformer
+from vit.flex_longformer import BLOCK, GLOBAL_GROUP, band_block_mask, choose_kernel, from_classes, to_classes
 from vit.longformer import LongformerSelfAttention
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
@@ -85,8 +86,11 @@ def _token_order(mask: torch.Tensor, n: int, dilation: int, keys_too: bool) -> t
     return out.int()
 
 
+@pytest.mark.parametrize("group", [1, GLOBAL_GROUP])  # 1: a copy of the global keys per query block
 @pytest.mark.parametrize("n, radius, dilation", [(300, 2, 1), (300, 64, 1), (500, 130, 2), (400, 20, 3)])
-def test_the_block_mask_alone_gives_each_query_its_band_and_the_global_keys_once(n, radius, dilation):
+def test_the_block_mask_alone_gives_each_query_its_band_and_the_global_keys_once(n, radius, dilation, group,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(flex_longformer, "GLOBAL_GROUP", group)
     pad = torch.zeros(2, n, dtype=torch.bool)
     pad[0, n - 90:] = True
     pad[1, 100:260] = True  # wider than a block: a whole full block of keys becomes padding
@@ -100,12 +104,35 @@ def test_the_block_mask_alone_gives_each_query_its_band_and_the_global_keys_once
         not_pad = torch.ones(2, n, dtype=torch.bool) if padding is None else ~padding
         key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
         block_mask = band_block_mask(n, radius, dilation, key_ok, padding is not None, prefix_pos, prefix_ok)
-        seen = _effective_mask(block_mask, 2)  # (B, slots, BLOCK global slots + slots)
-        times = _token_order(seen[:, :, BLOCK:], n, dilation, keys_too=True)
-        global_slots = _token_order(seen[:, :, :BLOCK], n, dilation, keys_too=False)
+        seen = _effective_mask(block_mask, 2)  # (B, slots, copies x BLOCK global slots + slots)
+        lead = seen.shape[2] - seen.shape[1]
+        times = _token_order(seen[:, :, lead:], n, dilation, keys_too=True)
+        every_copy = seen[:, :, :lead].unflatten(2, (lead // BLOCK, BLOCK)).sum(2)
+        global_slots = _token_order(every_copy, n, dilation, keys_too=False)
         times.scatter_add_(2, prefix_pos[:, None, :].expand(-1, n, -1), global_slots)
         want = (band[None] | is_global[:, None, :]) & not_pad[:, None, :]
         assert torch.equal(times, want.int())  # every key it should see exactly once, no other
+
+
+def test_no_block_of_the_global_keys_is_met_by_more_query_blocks_than_one_group():
+    # The backward walks each key block's query blocks in one program: one shared global block would
+    # make that program walk all N/128 of them.
+    n = 4096
+    is_global = torch.zeros(1, n, dtype=torch.bool)
+    is_global[0, [0, n // 2, n - 1]] = True
+    pos, valid = global_positions(is_global)
+    prefix_pos, prefix_ok = F.pad(pos, (0, BLOCK - pos.shape[1])), F.pad(valid, (0, BLOCK - pos.shape[1]))
+    blocks = band_block_mask(n, 256, 1, torch.ones(1, n, dtype=torch.bool), False, prefix_pos, prefix_ok).to_dense()
+    lead = blocks[0, 0, :, : blocks.shape[-1] - blocks.shape[-2]]  # (query blocks, global-key blocks)
+    assert lead.shape[1] == n // BLOCK // GLOBAL_GROUP
+    assert lead.sum(0).max() == GLOBAL_GROUP and torch.equal(lead.sum(1), torch.ones(n // BLOCK, dtype=lead.dtype))
+
+
+def test_flex_output_with_a_copy_of_the_global_keys_per_query_block_equals_the_dense_reference(monkeypatch):
+    monkeypatch.setattr(flex_longformer, "GLOBAL_GROUP", 1)
+    (q, k, v), kw = make_case(300, globals_=True, padding=True, seed=4)
+    got = sliding_window_attention(q, k, v, window=64, dilation=2, kernel="flex", **kw)
+    torch.testing.assert_close(got, dense_reference(q, k, v, window=64, dilation=2, **kw).float(), atol=1e-5, rtol=0)
 
 
 def test_the_block_mask_keeps_only_blocks_near_the_diagonal():

@@ -8,8 +8,12 @@ hidden), on `(B, heads, N, head_dim)` tensors:
    undilated window of radius r, so the block mask is as sparse as an undilated one.
 2. The G global keys go in front of the regrouped keys, zero-padded to one block (or a few): one
    extra key block per query block, where the mask_mod keeps the global keys outside the query's
-   own band (inside it, the query already meets them as band keys).
-3. One `flex_attention` call: the block structure is built once per (N, r, d, prefix, device) and
+   own band (inside it, the query already meets them as band keys). That prefix is repeated, one
+   copy per `GLOBAL_GROUP` query blocks, each group meeting only its own copy: with a single copy
+   every query block would meet the same key block, and the backward's dK/dV pass, which walks each
+   key block's query blocks in one program, would walk all N/128 of them in one program while the
+   rest of the GPU idles. The copies' gradients add up through the repeat.
+3. One `flex_attention` call: the block structure is built once per (N, r, d, prefix, group, device) and
    cached; padding only demotes the key blocks that hold it from full to partial, per call, and
    the mask_mod checks class edges, the radius, padding and the global slots.
 
@@ -27,10 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["BLOCK", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention", "band_block_mask", "to_classes",
-           "from_classes"]
+__all__ = ["BLOCK", "GLOBAL_GROUP", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention",
+           "band_block_mask", "to_classes", "from_classes"]
 
 BLOCK = 128  # FlexAttention's sparse block: query and key tiles of 128 tokens
+# Query blocks that share one copy of the global-key prefix: about as many as meet one band key block
+# (window 512: 5), so no key block's backward program walks many more query blocks than another's.
+GLOBAL_GROUP = 8
 KERNELS = ("auto", "banded", "flex")
 
 
@@ -93,12 +100,17 @@ def _original_index(slots: torch.Tensor, m: int, dilation: int) -> torch.Tensor:
     return (slots % m) * dilation + slots // m
 
 
+def _copies(n: int, dilation: int, group: int) -> int:
+    """How many copies of the global-key prefix: one per `group` query blocks."""
+    return -(-(_layout(n, dilation)[1] // BLOCK) // group)
+
+
 def _mask_mod(key_ok: torch.Tensor | None, n: int, radius: int, dilation: int, prefix: int,
-              global_pos: torch.Tensor | None, global_ok: torch.Tensor | None):
-    """Key slots [0, prefix) hold the global keys (`global_pos`/`global_ok` `(B, prefix)`): a query
-    takes those outside its band. Slots past them are the regrouped sequence: same class, within
-    the radius, and a usable key (`key_ok` `(B, padded)`; None: no padding, so only the layout's filler
-    slots are unusable)."""
+              global_pos: torch.Tensor | None, global_ok: torch.Tensor | None, group: int):
+    """Key slots [0, copies·prefix) hold the copies of the global keys (`global_pos`/`global_ok`
+    `(B, prefix)`): a query takes those of its group's copy outside its band. Slots past them are the
+    regrouped sequence: same class, within the radius, and a usable key (`key_ok` `(B, padded)`; None:
+    no padding, so only the layout's filler slots are unusable)."""
 
     m, padded = _layout(n, dilation)
 
@@ -121,12 +133,16 @@ def _mask_mod(key_ok: torch.Tensor | None, n: int, radius: int, dilation: int, p
     if not prefix:
         return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx)
 
+    lead = _copies(n, dilation, group) * prefix
+
     def mask_mod(b, h, q_idx, kv_idx):
         # Both branches are evaluated: clamped indices keep the unused one in bounds.
-        g = kv_idx.clamp(max=prefix - 1)
+        g = kv_idx.clamp(max=lead - 1) % prefix
+        own_copy = kv_idx // prefix == q_idx // (BLOCK * group)
         offset = ((q_idx % m) * dilation + q_idx // m - global_pos[b, g]).abs()
         outside = (offset > radius * dilation) | (offset % dilation != 0)
-        return torch.where(kv_idx < prefix, global_ok[b, g] & outside, band(b, q_idx, (kv_idx - prefix).clamp(min=0)))
+        return torch.where(kv_idx < lead, own_copy & global_ok[b, g] & outside,
+                           band(b, q_idx, (kv_idx - lead).clamp(min=0)))
 
     return mask_mod
 
@@ -163,17 +179,23 @@ def _band_blocks(n: int, radius: int, dilation: int, device: torch.device) -> tu
     return partial, full
 
 
-def _with_prefix(partial: torch.Tensor, full: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prepend the global-key blocks: partial for every query block (the mask_mod picks the keys)."""
+def _with_prefix(partial: torch.Tensor, full: torch.Tensor, prefix: int,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepend the copies of the global-key blocks: each query block's group meets its own copy's
+    blocks, as partial blocks (the mask_mod picks the keys)."""
     if not prefix:
         return partial, full
-    lead = torch.ones(*partial.shape[:-1], prefix // BLOCK, dtype=torch.bool, device=partial.device)
+    q_blocks, per_copy = partial.shape[-2], prefix // BLOCK
+    copies = -(-q_blocks // group)
+    copy_of_block = torch.arange(copies * per_copy, device=partial.device) // per_copy
+    lead = copy_of_block[None, :] == (torch.arange(q_blocks, device=partial.device) // group)[:, None]
+    lead = lead.expand(*partial.shape[:-1], -1)
     return torch.cat([lead, partial], -1), torch.cat([torch.zeros_like(lead), full], -1)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_block_mask(n: int, radius: int, dilation: int, prefix: int, device: torch.device) -> BlockMask:
-    partial, full = _with_prefix(*_band_blocks(n, radius, dilation, device), prefix)
+def _cached_block_mask(n: int, radius: int, dilation: int, prefix: int, group: int, device: torch.device) -> BlockMask:
+    partial, full = _with_prefix(*_band_blocks(n, radius, dilation, device), prefix, group)
     return BlockMask.from_kv_blocks(*(t[None, None] for t in _ordered(partial)),
                                     *(t[None, None] for t in _ordered(full)),
                                     BLOCK_SIZE=BLOCK, seq_lengths=(partial.shape[0] * BLOCK, partial.shape[1] * BLOCK))
@@ -181,30 +203,32 @@ def _cached_block_mask(n: int, radius: int, dilation: int, prefix: int, device: 
 
 def band_block_mask(n: int, radius: int, dilation: int, key_ok: torch.Tensor, padding: bool,
                     global_pos: torch.Tensor | None = None, global_ok: torch.Tensor | None = None) -> BlockMask:
-    """The BlockMask over [global keys, regrouped sequence]: `key_ok` `(B, padded)` says which
-    regrouped slots are real, unpadded keys; `global_pos`/`global_ok` `(B, prefix)` (a whole number
-    of blocks, None: no global keys) which global keys each sequence has. Without padding the block
-    structure is cached per shape; with it, key blocks holding padding are demoted from full to
-    partial for that sequence, so the mask_mod sees them."""
-    prefix = 0 if global_pos is None else global_pos.shape[1]
+    """The BlockMask over [copies of the global keys, regrouped sequence]: `key_ok` `(B, padded)` says
+    which regrouped slots are real, unpadded keys; `global_pos`/`global_ok` `(B, prefix)` (a whole
+    number of blocks, None: no global keys) which global keys each sequence has; the prefix stands
+    once per `GLOBAL_GROUP` query blocks. Without padding the block structure is cached per shape;
+    with it, key blocks holding padding are demoted from full to partial for that sequence, so the
+    mask_mod sees them."""
+    prefix, group = 0 if global_pos is None else global_pos.shape[1], GLOBAL_GROUP
     if not padding:
-        block_mask = copy.copy(_cached_block_mask(n, radius, dilation, prefix, key_ok.device))
+        block_mask = copy.copy(_cached_block_mask(n, radius, dilation, prefix, group, key_ok.device))
     else:
         partial, full = _band_blocks(n, radius, dilation, key_ok.device)
         dirty = ~key_ok.reshape(key_ok.shape[0], 1, -1, BLOCK).all(-1)  # (B, 1, Kb)
-        partial, full = _with_prefix(partial | (full & dirty), full & ~dirty, prefix)
+        partial, full = _with_prefix(partial | (full & dirty), full & ~dirty, prefix, group)
         block_mask = BlockMask.from_kv_blocks(*(t[:, None] for t in _ordered(partial)),
                                               *(t[:, None] for t in _ordered(full)), BLOCK_SIZE=BLOCK,
-                                              seq_lengths=(key_ok.shape[1], key_ok.shape[1] + prefix))
-    block_mask.mask_mod = _mask_mod(key_ok if padding else None, n, radius, dilation, prefix, global_pos, global_ok)
+                                              seq_lengths=(key_ok.shape[1], partial.shape[-1] * BLOCK))
+    block_mask.mask_mod = _mask_mod(key_ok if padding else None, n, radius, dilation, prefix, global_pos, global_ok,
+                                    group)
     return block_mask
 
 
-def _global_prefix(x: torch.Tensor, xc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """[the global tokens' rows of x `(B, H, N, D)`, zero-padded to whole blocks; xc]."""
+def _global_prefix(x: torch.Tensor, xc: torch.Tensor, pos: torch.Tensor, copies: int) -> torch.Tensor:
+    """[`copies` × the global tokens' rows of x `(B, H, N, D)`, zero-padded to whole blocks; xc]."""
     batch = torch.arange(x.shape[0], device=x.device)[:, None]
     rows = x[batch, :, pos].transpose(1, 2)  # (B, H, G, D)
-    return torch.cat([F.pad(rows, (0, 0, 0, -pos.shape[1] % BLOCK)), xc], dim=2)
+    return torch.cat([F.pad(rows, (0, 0, 0, -pos.shape[1] % BLOCK)).repeat(1, 1, copies, 1), xc], dim=2)
 
 
 def flex_band_attention(
@@ -234,7 +258,8 @@ def flex_band_attention(
         not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device)
     key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
     if global_pos is not None and global_pos.shape[1] > 0:
-        kc, vc = (_global_prefix(t, tc, global_pos) for t, tc in ((k, kc), (v, vc)))
+        copies = _copies(n, dilation, GLOBAL_GROUP)
+        kc, vc = (_global_prefix(t, tc, global_pos, copies) for t, tc in ((k, kc), (v, vc)))
         extra = -global_pos.shape[1] % BLOCK
         global_pos, global_valid = F.pad(global_pos, (0, extra)), F.pad(global_valid, (0, extra), value=False)
     else:
