@@ -9,6 +9,8 @@ Imports only torch and `vit` (the GPU machine has neither Ray nor MLflow). 12 he
                      without / with 4 global tokens (the first, last and two between)
 - ours_flex_d1:      the same call with `kernel="flex"`, dilation 1, no globals
 - ours_flex_d1_g / ours_flex_d2_g: the same call with `kernel="flex"`, dilation 1 / 2, the globals
+- ours_flex_d1_g_shared: ours_flex_d1_g with one copy of the global-key block shared by every query
+                     block (`GLOBAL_GROUP` past the block count), the layout before the copies
 - plain_flex_swa:    `flex_attention` with a plain sliding-window block mask (|i - j| <= 256): no
                      dilation, no globals, no padding (the usual FlexAttention example)
 - dense_sdpa_flash:  full `scaled_dot_product_attention` on the flash backend
@@ -29,7 +31,8 @@ import sys
 import time
 
 HEADS, DIM, WINDOW, NUM_GLOBALS = 12, 64, 512, 4
-ROWS = ("ours_banded_d1", "ours_banded_d1_g", "ours_flex_d1", "ours_flex_d1_g", "ours_flex_d2_g", "plain_flex_swa", "dense_sdpa_flash")
+ROWS = ("ours_banded_d1", "ours_banded_d1_g", "ours_flex_d1", "ours_flex_d1_g", "ours_flex_d1_g_shared",
+        "ours_flex_d2_g", "plain_flex_swa", "dense_sdpa_flash")
 
 
 def _inputs(n: int, batch: int = 1, seed: int = 0):
@@ -49,8 +52,19 @@ def _forward(name: str, q, k, v, global_mask):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from vit.attention import sliding_window_attention
-    from vit.flex_longformer import _cached_block_mask, _compiled_flex  # deferred: the kernel's own cache
+    from vit import flex_longformer
+    from vit.flex_longformer import GLOBAL_GROUP, _cached_block_mask, _compiled_flex  # deferred: the kernel's cache
 
+    if name == "ours_flex_d1_g_shared":
+        copied = _forward("ours_flex_d1_g", q, k, v, global_mask)
+
+        def shared():  # the block mask and K/V layout are made in the forward; the backward reuses them
+            flex_longformer.GLOBAL_GROUP = 1 << 30
+            try:
+                return copied()
+            finally:
+                flex_longformer.GLOBAL_GROUP = GLOBAL_GROUP
+        return shared
     if name.startswith("ours_"):
         kernel, dilation = name.split("_")[1], int(name.split("_d")[1][0])
         globals_ = global_mask if name.endswith("_g") else None
@@ -60,7 +74,7 @@ def _forward(name: str, q, k, v, global_mask):
         import copy
 
         radius, n = WINDOW // 2, q.shape[2]
-        block_mask = copy.copy(_cached_block_mask(n, radius, 1, 0, q.device))
+        block_mask = copy.copy(_cached_block_mask(n, radius, 1, 0, GLOBAL_GROUP, q.device))
         block_mask.mask_mod = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= radius
         compiled = _compiled_flex()
         return lambda: compiled(q, k, v, block_mask=block_mask)
@@ -192,16 +206,18 @@ def main(lengths: list[int], reps: int, budget_s: float) -> None:
         rows = _time_one_n(n, reps, deadline) + rows
         torch.cuda.empty_cache()
     result["rows"] = rows
-    try:
-        result["profile"] = _profile("ours_flex_d1_g", max(lengths))
-    except Exception as err:  # noqa: BLE001
-        result["profile"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    for key, row in (("profile", "ours_flex_d1_g"), ("profile_shared", "ours_flex_d1_g_shared")):
+        try:
+            result[key] = _profile(row, max(lengths))
+        except Exception as err:  # noqa: BLE001
+            result[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     result["wall_s"] = round(time.monotonic() - started, 1)
-    print(f"{'row':<18} {'N':>6} {'median ms':>10} {'peak MiB':>9}", file=sys.stderr)
+    print(f"{'row':<22} {'N':>6} {'median ms':>10} {'peak MiB':>9}", file=sys.stderr)
     for r in rows:
-        print(f"{r['row']:<18} {r['n']:>6} {r.get('median_ms', '-'):>10} {r.get('peak_mib', '-'):>9} "
+        print(f"{r['row']:<22} {r['n']:>6} {r.get('median_ms', '-'):>10} {r.get('peak_mib', '-'):>9} "
               f"{r.get('error', '')}", file=sys.stderr)
-    for kernel in result["profile"].get("top_kernels", []):
-        print(f"  profile {result['profile']['row']} N={result['profile']['n']}: {kernel['ms']:>8} ms "
-              f"x{kernel['calls']:<3} {kernel['name']}", file=sys.stderr)
+    for profiled in (result["profile"], result["profile_shared"]):
+        for kernel in profiled.get("top_kernels", []):
+            print(f"  profile {profiled['row']} N={profiled['n']}: {kernel['ms']:>8} ms "
+                  f"x{kernel['calls']:<3} {kernel['name']}", file=sys.stderr)
     print(json.dumps(result))
