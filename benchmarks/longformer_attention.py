@@ -223,7 +223,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: attention alone in bf16 on a GPU (see longformer_cuda.py)")
@@ -238,29 +238,11 @@ def main() -> None:
     parser.add_argument("--replot", metavar="JSON", help="only redraw --plot from a saved --json result")
     parser.add_argument("--memory-row", nargs=3, metavar=("IMPL", "DTYPE", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--time-rows", nargs="+", metavar="N IMPL:DTYPE", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser, parser.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    if args.device == "cuda":
-        from longformer_cuda import main as cuda_main
 
-        cuda_main(args.lengths if args.lengths != DEFAULT_LENGTHS else [4096, 16384, 65536],
-                  args.reps if args.reps != DEFAULT_REPS else 10, args.budget_s)
-        return
-    if args.replot:
-        if not args.plot:
-            parser.error("--replot needs --plot PATH")
-        plot(json.loads(Path(args.replot).read_text())["rows"], args.plot)
-        return
-    if args.memory_row:
-        impl, dtype_name, n = args.memory_row
-        print(json.dumps(memory_row(impl, dtype_name, int(n))))
-        return
-    if args.time_rows:
-        plan = [tuple(key.split(":")) for key in args.time_rows[1:]]
-        print(json.dumps(time_rows(plan, int(args.time_rows[0]), args.reps)))
-        return
-
+def measure_lengths(args: argparse.Namespace) -> list[dict]:
+    """Every row at every N: memory in a fresh process per row, then the times in one process per N."""
     rows = []
     for n in args.lengths:
         fits, why = _dense_fits(n)
@@ -284,7 +266,33 @@ def main() -> None:
         if not args.json:
             for row in list(by_key.values()) + skipped:
                 print(row, flush=True)
+    return rows
 
+
+def main() -> None:
+    parser, args = parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.device == "cuda":
+        from longformer_cuda import main as cuda_main
+
+        cuda_main(args.lengths if args.lengths != DEFAULT_LENGTHS else [4096, 16384, 65536],
+                  args.reps if args.reps != DEFAULT_REPS else 10, args.budget_s)
+        return
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot PATH")
+        plot(json.loads(Path(args.replot).read_text())["rows"], args.plot)
+        return
+    if args.memory_row:
+        impl, dtype_name, n = args.memory_row
+        print(json.dumps(memory_row(impl, dtype_name, int(n))))
+        return
+    if args.time_rows:
+        plan = [tuple(key.split(":")) for key in args.time_rows[1:]]
+        print(json.dumps(time_rows(plan, int(args.time_rows[0]), args.reps)))
+        return
+
+    rows = measure_lengths(args)
     result = {
         "config": {"hidden": HIDDEN, "heads": HEADS, "window": WINDOW, "global_tokens": 1, "batch": 1,
                    "pass": "forward + backward, projections included",
