@@ -36,8 +36,10 @@ HALF_SLOT = {"CPU": 1.0, "train_slot": 0.5}  # two fit on one worker node (Ray p
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """400 fractal images in 4 classes, 24×24, on the local disk every node shares."""
+def corpus(ray_cluster, tmp_path_factory) -> Path:
+    """400 fractal images in 4 classes, 24×24, on the local disk every node shares. Rendered by Ray tasks on the
+    session cluster: without one, Ray would start a cluster of its own in this process, and the session
+    cluster's `ray.init` would then fail in any later test."""
     from pipelines.corpora.images import synth_corpus
 
     root = tmp_path_factory.mktemp("multinode-corpus")
