@@ -3,9 +3,9 @@
     PYTHONPATH=$PWD:$PWD/benchmarks ROUNDS=2 python benchmarks/ingest_ray_data_knobs.py 5000[,20000] [VARIANT,...] [--spare-worker]
 
 Uses `ingest_throughput`'s corpus (`/tmp/feed-bench`), warm-up and shard function. Variants:
-`default` (the stage as it is), `no_progress` (Ray Data's progress bars off), `actors` (the
-shard step on an `ActorPoolStrategy(size=2)` of callable-class actors, patched in for the run),
-`actors_no_progress`, `queue_ahead_2` (Ray Data's CPU limit 2 above the cluster's),
+`default` (the stage as it is), `no_progress` (Ray Data's progress bars off), `no_operator_progress` (only
+the whole dataset's bar), `actors` (the shard step on an `ActorPoolStrategy(size=2)` of callable-class actors,
+patched in for the run), `actors_no_progress`, `queue_ahead_2` (Ray Data's CPU limit 2 above the cluster's),
 `no_memory_poll` (no per-task memory polling thread), `default_scheduling` (Ray's default placement
 instead of SPREAD), and combinations. `--spare-worker` starts the cluster keeping one idle worker process
 beyond one per CPU (Ray's `num_workers_soft_limit`), so the planner's zero-CPU task finds a worker instead of
@@ -37,6 +37,7 @@ def tree():
 VARIANTS = {
     "default": {},
     "no_progress": {"enable_progress_bars": False, "enable_operator_progress_bars": False},
+    "no_operator_progress": {"enable_operator_progress_bars": False},  # the whole dataset's bar only
 }
 import pipelines.core.ingest as ING
 ORIG = ING._run_pipeline
