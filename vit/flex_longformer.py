@@ -100,9 +100,9 @@ def _original_index(slots: torch.Tensor, m: int, dilation: int) -> torch.Tensor:
     return (slots % m) * dilation + slots // m
 
 
-def _copies(n: int, dilation: int, group: int) -> int:
+def _copies(query_blocks: int, group: int) -> int:
     """How many copies of the global-key prefix: one per `group` query blocks."""
-    return -(-(_layout(n, dilation)[1] // BLOCK) // group)
+    return -(-query_blocks // group)
 
 
 def _mask_mod(key_ok: torch.Tensor | None, n: int, radius: int, dilation: int, prefix: int,
@@ -133,7 +133,7 @@ def _mask_mod(key_ok: torch.Tensor | None, n: int, radius: int, dilation: int, p
     if not prefix:
         return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx)
 
-    lead = _copies(n, dilation, group) * prefix
+    lead = _copies(padded // BLOCK, group) * prefix
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Both branches are evaluated: clamped indices keep the unused one in bounds.
@@ -186,8 +186,7 @@ def _with_prefix(partial: torch.Tensor, full: torch.Tensor, prefix: int,
     if not prefix:
         return partial, full
     q_blocks, per_copy = partial.shape[-2], prefix // BLOCK
-    copies = -(-q_blocks // group)
-    copy_of_block = torch.arange(copies * per_copy, device=partial.device) // per_copy
+    copy_of_block = torch.arange(_copies(q_blocks, group) * per_copy, device=partial.device) // per_copy
     lead = copy_of_block[None, :] == (torch.arange(q_blocks, device=partial.device) // group)[:, None]
     lead = lead.expand(*partial.shape[:-1], -1)
     return torch.cat([lead, partial], -1), torch.cat([torch.zeros_like(lead), full], -1)
@@ -250,7 +249,7 @@ def flex_band_attention(
     global or padding tokens come out finite but meaningless: the caller overwrites or zeroes them.
     """
     bsz, _, n, _ = q.shape
-    m, _ = _layout(n, dilation)
+    m, padded = _layout(n, dilation)
     radius = min(radius, max(m - 1, 0))  # a radius past the sequence adds nothing
     padding = not_pad is not None
     qc, kc, vc = (to_classes(t, dilation) for t in (q, k, v))
@@ -258,7 +257,7 @@ def flex_band_attention(
         not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device)
     key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
     if global_pos is not None and global_pos.shape[1] > 0:
-        copies = _copies(n, dilation, GLOBAL_GROUP)
+        copies = _copies(padded // BLOCK, GLOBAL_GROUP)
         kc, vc = (_global_prefix(t, tc, global_pos, copies) for t, tc in ((k, kc), (v, vc)))
         extra = -global_pos.shape[1] % BLOCK
         global_pos, global_valid = F.pad(global_pos, (0, extra)), F.pad(global_valid, (0, extra), value=False)
