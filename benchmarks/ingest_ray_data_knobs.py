@@ -15,7 +15,7 @@ largest size). Prints one JSON object: per size and variant the median images/s,
 CPU seconds, the worker processes started during each run, and the ratio to plain Ray tasks; with several
 sizes, `fit`: each way's fixed seconds a run and per-image rate.
 """
-import json, os, statistics, sys, time
+import json, os, statistics, sys
 from pathlib import Path
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.getcwd() + "/benchmarks")
 import psutil, ray, ray.data
