@@ -241,6 +241,9 @@ def _run_pipeline(
             fn_kwargs={"config": config, "source": source, "manifest": manifest, "fingerprint": fingerprint,
                        "planner": kind.planner},
             num_cpus=0,  # listing is I/O; it must not hold a CPU slot the decoders need
+            # Ray Data pauses a task 2 unread blocks ahead and reads a planner's output within a byte budget;
+            # the planner then lived as long as the decoders, and a decoder waited for a new worker process.
+            _generator_backpressure_num_objects=2 * PLANS_AHEAD,  # a block and its metadata per plan
         )
         ds = ds.map_batches(
             _process_udf,
@@ -276,6 +279,10 @@ def _run_pipeline(
         raise IngestError(f"{config.source}: the planner ended before the listing did")
     return sorted(summaries, key=lambda s: s["key"]), digest
 
+
+# Plans the planner may list ahead of the shard tasks (a 256-image plan is ~15 KB in the object store): up to
+# this many shards it lists everything at once and frees its worker for a decoder.
+PLANS_AHEAD = 256
 
 # Tries of a shard task after its first one fails with a `TransientStorageError`.
 SHARD_TASK_RETRIES = 2
