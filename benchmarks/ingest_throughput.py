@@ -160,6 +160,10 @@ def stage(config: IngestConfig, n: int) -> float:
     return n / seconds
 
 
+# Any credentials do for the loopback moto server.
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 def start_s3_server() -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import _MOTO_LAUNCHER, _free_port, _wait_until_up  # the test suite's S3 server
@@ -260,8 +264,6 @@ def s3_rounds(args: argparse.Namespace, root: Path, keys: list[str], common: dic
 
     proc, url = start_s3_server()
     try:
-        creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
-        os.environ.update(creds)  # this process only; the stage resolves them from the AWS chain
         client = boto3.client("s3", endpoint_url=url)
         client.create_bucket(Bucket="bench")
         with ThreadPoolExecutor(8) as pool:
@@ -293,6 +295,8 @@ def main() -> None:
                               "image_size": args.image_size, "patch_size": args.patch_size,
                               "shard_size": args.shard_size, "rounds": args.rounds}
 
+    if not args.skip_s3:  # before Ray starts: its workers resolve credentials from the AWS chain they inherit
+        os.environ.update(S3_CREDENTIALS)
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
     warm = warm_up(args, root, keys, common)
     add_medians(report, local_rounds(args, root, keys, local_config, warm))
