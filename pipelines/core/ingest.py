@@ -8,7 +8,8 @@ The work is a Ray Data pipeline of two operators:
    folders are listed in parallel by Ray tasks, in key order (`pipelines.core.listing`). Each plan holds
    its keys, labels and each object's version tag (size and ETag or mtime), and
    a fingerprint of all of it under the config. The task ends with the input
-   digest: a hash of every plan fingerprint in order.
+   digest: a hash of every plan fingerprint in order. It runs up to `PLANS_AHEAD` plans ahead of
+   the shard tasks, so on a corpus of fewer shards its worker is soon free for a decoder.
 2. *process* (many tasks, one shard each) runs the stage's `IngestKind.process`:
    it reuses the shard when its footer holds the plan's fingerprint; otherwise it
    fetches the objects with a few I/O threads (`pipelines.core.fetch`), decodes them,
