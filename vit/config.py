@@ -45,6 +45,7 @@ _NAME_RE = re.compile(r"^(?P<hybrid>R50\+)?ViT-(?P<variant>[A-Za-z]+/\d+)$")
 
 
 def positive_int(name: str, value: Any) -> None:
+    """Raise `ValueError` naming `name` unless `value` is an int above zero (a bool is not one)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype
     return None
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
+def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
     """An autocast context for `dtype`, or a no-op for fp32."""
     if dtype is None:
         return nullcontext()
