@@ -1,5 +1,7 @@
-"""What the ingest tests of every kind check on a finished output folder: file times, and resuming one
-that an interruption left without its last shard."""
+"""What the ingest tests of every kind check on a finished output folder: file times, and completing one
+that was damaged by hand (its last shard and its marker deleted, a stray temporary file added).
+
+A real interruption (SIGKILL mid-write) is tested in tests/test_ingest_kill.py."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ def mtimes(root: str) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in Path(root).rglob("*") if p.is_file()}
 
 
-def assert_resume_writes_only_the_missing_shard(finished: Any, out: Path, rerun: Callable[[Path], Any]) -> None:
-    """Copy the `finished` ingest to `out`, interrupt it there (the last shard never landed, a temporary
-    file left behind, no marker), `rerun(out)`, and check that only the lost shard was written."""
+def assert_completing_writes_only_the_missing_shard(finished: Any, out: Path, rerun: Callable[[Path], Any]) -> None:
+    """Copy the `finished` ingest to `out`, damage the copy (delete its last shard and its `_SUCCESS`, add a
+    stray temporary file), `rerun(out)`, and check that only the deleted shard was written again, every other
+    shard kept as it was and the stray file removed."""
     shutil.copytree(finished.output, out)
     (out / shards.SUCCESS).unlink()
     lost = out / finished.manifest["shards"][-1]["path"]

@@ -19,7 +19,7 @@ from pipelines.core import shards
 from pipelines.image.patches import decode_image
 from pipelines.image.ingest import IngestConfig, run_ingest
 from tests.process_output import result_json
-from tests.shard_output import assert_resume_writes_only_the_missing_shard, mtimes
+from tests.shard_output import assert_completing_writes_only_the_missing_shard, mtimes
 
 CLASSES = ["ant", "bee", "cow"]
 PER_CLASS = 30
@@ -168,9 +168,12 @@ def test_force_rewrites_every_shard_of_a_finished_output(ray_cluster, corpus, in
     assert again.manifest["content_hash"] == ingested.manifest["content_hash"]
 
 
-def test_resume_rewrites_only_the_missing_shard(ray_cluster, corpus, ingested, tmp_path):
-    assert_resume_writes_only_the_missing_shard(ingested, tmp_path / "resumed",
-                                                lambda out: run_ingest(config(corpus[0], out)))
+def test_an_output_missing_a_shard_and_its_marker_is_completed_by_writing_only_that_shard(
+    ray_cluster, corpus, ingested, tmp_path
+):
+    # Damaged by hand, not interrupted: a SIGKILL mid-write is tests/test_ingest_kill.py's.
+    assert_completing_writes_only_the_missing_shard(ingested, tmp_path / "completed",
+                                                    lambda out: run_ingest(config(corpus[0], out)))
 
 
 def test_changed_config_replaces_the_output(ray_cluster, corpus, ingested, tmp_path):

@@ -125,16 +125,18 @@ def test_rerun_on_s3_rewrites_nothing(s3_server, bucket, ingested):
     assert _versions(client, bucket, "out/") == before
 
 
-def test_resume_on_s3_rewrites_only_the_missing_shard(s3_server, bucket, ingested):
+def test_an_s3_output_missing_a_shard_and_its_marker_is_completed_by_writing_only_that_shard(s3_server, bucket,
+                                                                                             ingested):
+    # A copy of the finished output with one shard and `_SUCCESS` deleted by hand (not an interruption).
     client = s3_server.client()
     for key in _objects(client, bucket, "out/"):
-        client.copy_object(Bucket=bucket, Key=f"resume/{key}", CopySource={"Bucket": bucket, "Key": f"out/{key}"})
+        client.copy_object(Bucket=bucket, Key=f"completed/{key}", CopySource={"Bucket": bucket, "Key": f"out/{key}"})
     lost = ingested.manifest["shards"][1]["path"]
-    client.delete_object(Bucket=bucket, Key=f"resume/{shards.SUCCESS}")
-    client.delete_object(Bucket=bucket, Key=f"resume/{lost}")
-    result = _run_with_env(s3_server, _config(f"s3://{bucket}/corpus", f"s3://{bucket}/resume"))
+    client.delete_object(Bucket=bucket, Key=f"completed/{shards.SUCCESS}")
+    client.delete_object(Bucket=bucket, Key=f"completed/{lost}")
+    result = _run_with_env(s3_server, _config(f"s3://{bucket}/corpus", f"s3://{bucket}/completed"))
     assert result.shards_written == 1
-    versions = _versions(client, bucket, "resume/")
+    versions = _versions(client, bucket, "completed/")
     assert versions[lost] == 2  # the original copy and the rewrite
     assert all(versions[s["path"]] == 1 for s in ingested.manifest["shards"] if s["path"] != lost)
     assert result.manifest["content_hash"] == ingested.manifest["content_hash"]

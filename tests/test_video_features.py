@@ -153,9 +153,11 @@ def test_rerun_with_the_same_inputs_and_config_does_nothing(extracted):
     assert {p: p.stat().st_mtime_ns for p in Path(result.output).rglob("*") if p.is_file()} == files
 
 
-def test_an_interrupted_run_reuses_the_feature_shards_it_finished(extracted):
+def test_an_output_missing_only_its_marker_is_completed_from_the_feature_shards_it_holds(extracted):
+    # Every shard there, `_SUCCESS` deleted by hand: the rerun writes the manifest and marker, no shard.
+    # A SIGKILL mid-run is tests/test_video_features_kill.py's.
     config, result = extracted
-    os.unlink(Path(result.output, "_SUCCESS"))  # as if stopped after the last shard, before the marker
+    os.unlink(Path(result.output, "_SUCCESS"))
     resumed = run_video_features(config)
     assert (resumed.skipped, resumed.shards_written, resumed.shards_reused) == (False, 0, 3)
     assert resumed.manifest["content_hash"] == result.manifest["content_hash"]

@@ -28,7 +28,7 @@ from pipelines.video.data import read_video_manifest
 from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
 from pipelines.video.decode import clip_indices, full_indices
 from tests.process_output import result_json
-from tests.shard_output import assert_resume_writes_only_the_missing_shard, mtimes
+from tests.shard_output import assert_completing_writes_only_the_missing_shard, mtimes
 
 SEED, SIZE, FRAMES, CLASSES, VIDEOS = 0, 32, 16, 4, 24
 FRAME_SIZE, MAX_FRAMES = 16, 16
@@ -275,9 +275,12 @@ def test_rerun_with_the_same_config_does_nothing(ray_cluster, corpus, ingested):
     assert again.manifest["content_hash"] == ingested.manifest["content_hash"]
 
 
-def test_resume_writes_only_the_missing_shard(ray_cluster, corpus, ingested, tmp_path):
-    assert_resume_writes_only_the_missing_shard(ingested, tmp_path / "resumed",
-                                                lambda out: run_video_ingest(config(corpus[0], out)))
+def test_an_output_missing_a_shard_and_its_marker_is_completed_by_writing_only_that_shard(
+    ray_cluster, corpus, ingested, tmp_path
+):
+    # Damaged by hand, not interrupted: a SIGKILL mid-write is tests/test_ingest_kill.py's.
+    assert_completing_writes_only_the_missing_shard(ingested, tmp_path / "completed",
+                                                    lambda out: run_video_ingest(config(corpus[0], out)))
 
 
 def test_changed_sampling_replaces_the_output(ray_cluster, corpus, ingested, tmp_path):
