@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import mlflow
 import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipelines.image.evaluate import EvaluateConfig, few_shot_accuracy, load_config, ridge_fit, run_evaluate, sample_support
+import vit
+from pipelines.core.shards import read_manifest
+from pipelines.image.evaluate import (EvaluateConfig, few_shot_accuracy, few_shot_table, load_config, ridge_fit,
+                                      run_evaluate, sample_support)
+from pipelines.image.finetune_data import DataSpec
 
 
 def blobs(n_per_class: int, classes: int, dim: int, seed: int, spread: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +98,24 @@ def test_few_shot_accuracy_of_a_pretrained_model_beats_chance_and_grows_with_sho
     assert result.accuracy[10] > result.accuracy[1]
 
 
+def mean_table(model: torch.nn.Module, config: EvaluateConfig, size: int) -> dict[int, float]:
+    """`model`'s few-shot table on `config.data` at `size`, averaged over the repeats as the stage logs it."""
+    data = DataSpec(config.data, read_manifest(config.data), None)
+    return {k: float(np.mean(v)) for k, v in few_shot_table(model, data, config, size).items()}
+
+
+@pytest.mark.slow
+def test_the_table_is_that_of_the_pretrained_weights_not_of_a_fresh_model(evaluated, pretrained, tmp_path):
+    config, result = evaluated
+    local = mlflow.artifacts.download_artifacts(f"runs:/{pretrained.run_id}/checkpoints/final", dst_path=str(tmp_path),
+                                                tracking_uri=pretrained.tracking_uri)
+    trained = vit.load_checkpoint(local)
+    torch.manual_seed(0)
+    fresh = vit.VisionTransformer(trained.config)  # a random model scores well above chance here too
+    assert result.accuracy == pytest.approx(mean_table(trained, config, pretrained.image_size))
+    assert result.accuracy != pytest.approx(mean_table(fresh, config, pretrained.image_size))
+
+
 @pytest.mark.slow
 def test_the_stage_logs_its_table_and_links_the_pretrain_run(evaluated, pretrained):
     config, result = evaluated
@@ -103,7 +126,14 @@ def test_the_stage_logs_its_table_and_links_the_pretrain_run(evaluated, pretrain
     assert {f"fewshot_{k}shot_top1" for k in (1, 5, 10)} <= set(run.data.metrics)
     assert "fewshot_table.json" in {a.path for a in client.list_artifacts(result.run_id)}
     assert run.info.status == "FINISHED"
-    assert run_evaluate(config).reused  # the same evaluation is not computed twice
+
+
+@pytest.mark.slow
+def test_the_same_evaluation_again_returns_the_finished_run_without_computing_it(evaluated):
+    config, result = evaluated
+    again = run_evaluate(config)
+    assert again.reused
+    assert (again.run_id, again.accuracy) == (result.run_id, result.accuracy)
 
 
 @pytest.mark.slow

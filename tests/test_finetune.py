@@ -21,13 +21,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
 import pytest
+import torch
 import yaml
 from mlflow.tracking import MlflowClient
+from pyarrow.fs import LocalFileSystem
 
+import vit
 from pipelines.core.shards import read_manifest
 from pipelines.core.errors import VitpipeError
 from pipelines.image.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from pipelines.image.finetune_trial import latest_checkpoint
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json
 from tests.transfer_fixtures import DIGITS_SIZE
@@ -121,8 +126,6 @@ def test_the_best_model_is_registered_with_lineage_to_its_pretrain_run_and_data(
 
 
 def test_the_registered_version_and_the_logged_best_checkpoint_start_the_same_model(sweep):
-    import torch
-
     registered = fetch_starting_weights(f"models:/digits-transfer/{sweep.result.registered_version}", model_name=None,
                                         model_overrides={}, tracking_uri=sweep.config.tracking_uri)
     logged = fetch_starting_weights(f"runs:/{sweep.result.run_id}/checkpoints/best", model_name=None,
@@ -141,6 +144,22 @@ def test_fine_tuning_at_twice_the_pretraining_resolution_starts_at_chance_and_lo
     losses = sweep.history(best.info.run_id, "train_loss")
     assert losses[1] == pytest.approx(math.log(10), abs=1e-3)  # zero-initialised head: uniform logits
     assert sum(losses[s] for s in range(STEPS - 3, STEPS + 1)) / 4 < math.log(10) - 0.3
+
+
+def test_trials_start_from_the_pretrained_backbone(sweep, pretrained, tmp_path):
+    # The lr-1e-7 trial barely moves its weights, so its last checkpoint still shows where trials start.
+    still = next(r for r in sweep.children() if float(r.data.params["lr"]) == 1e-7)
+    stage_run = sweep.client.get_run(sweep.result.run_id).info.run_name
+    trial_dir = Path(sweep.config.storage) / f"{stage_run}-work" / "trials" / still.data.tags["vitpipe.trial_id"]
+    started = vit.load_checkpoint(latest_checkpoint(LocalFileSystem(), str(trial_dir))).state_dict()
+    local = mlflow.artifacts.download_artifacts(f"runs:/{pretrained.run_id}/checkpoints/final", dst_path=str(tmp_path),
+                                                tracking_uri=pretrained.tracking_uri)
+    pretrain = vit.load_checkpoint(local).state_dict()
+    # The head is new and the position embeddings are resampled to the fine-tune grid; the rest is carried over.
+    backbone = [k for k in pretrain if not k.startswith(("head.", "pos_embed"))]
+    assert "patch_embed.proj.weight" in backbone and "blocks.1.mlp.fc2.weight" in backbone
+    for name in backbone:
+        torch.testing.assert_close(started[name], pretrain[name], rtol=0, atol=1e-4, msg=name)
 
 
 def test_running_a_finished_sweep_again_returns_it_without_training(sweep):

@@ -156,11 +156,16 @@ def test_non_finite_gradients_leave_weights_and_schedule_untouched():
     assert step.scheduler.last_epoch == 0
 
 
-def test_bf16_autocast_step_trains_in_fp32_weights():
+def test_bf16_autocast_step_computes_in_bf16_and_updates_fp32_weights():
     model = tiny_model()
+    before = flat(model)
+    seen = []  # a block's MLP output: bf16 only if autocast was in effect
+    model.blocks[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     stats = make_step(model, settings(), amp_dtype=torch.bfloat16)([batch(8, seed=5)])
+    assert seen == [torch.bfloat16]
     assert math.isfinite(float(stats.loss))
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not torch.equal(flat(model), before)  # the optimizer stepped
 
 
 def test_steps_lower_the_loss_on_a_fixed_batch():
@@ -215,10 +220,18 @@ def test_train_state_checkpoint_is_a_loadable_vit_checkpoint(tmp_path):
     torch.testing.assert_close(vit.load_checkpoint(tmp_path)(x), model(x))
 
 
-def test_init_checkpoint_model_gets_a_new_head(tmp_path):
-    vit.save_checkpoint(tiny_model(), tmp_path)
+def test_init_checkpoint_model_keeps_the_checkpoints_backbone_and_gets_a_new_zero_head(tmp_path):
+    saved = tiny_model()
+    vit.save_checkpoint(saved, tmp_path)
     model = train_step.build_model(settings(init_checkpoint=str(tmp_path), model_overrides={"num_classes": 3}))
     assert model(batch(2, seed=12)[0]).shape == (2, 3)
+    backbone = {k: v for k, v in saved.state_dict().items() if not k.startswith("head.")}
+    loaded = model.state_dict()
+    for name, tensor in backbone.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    head = {k: v for k, v in loaded.items() if k.startswith("head.")}
+    assert sorted(head) == ["head.bias", "head.weight"]
+    assert all(not v.any() for v in head.values())  # zero-initialised (paper §3.2)
 
 
 # ---------------------------------------------------------------- one loop, one recipe
