@@ -1,11 +1,15 @@
 """A failing command prints one line naming the cause and where its full log is, and exits 1."""
 
+import json
+import threading
+from collections.abc import Iterator
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from pipelines import cli
 from pipelines.cli import app
 
 
@@ -33,18 +37,38 @@ def test_the_command_log_holds_the_traceback(tmp_path, monkeypatch) -> None:
     assert "Traceback (most recent call last)" in log and "does not exist" in log
 
 
-def test_an_unexpected_failure_is_one_line_with_its_type(tmp_path, monkeypatch) -> None:
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # its request log would land in the command's captured output
+        pass
+
+
+@pytest.fixture
+def not_mlflow(tmp_path) -> Iterator[str]:
+    """A plain web server where the tracking server should be: every API call gets a 404 page of HTML."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(tmp_path)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_unexpected_failure_is_one_line_with_its_type(tmp_path, monkeypatch, not_mlflow) -> None:
+    # MLflow's own error, not a VitpipeError; its message holds the page's many lines.
     monkeypatch.setenv("VITPIPE_LOG_DIR", str(tmp_path))
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("the object store went away\nsecond line of detail")
-
-    monkeypatch.setattr(cli, "_run_stage", broken)
-    result = CliRunner().invoke(app, ["evaluate", "x.yaml"])
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "_SUCCESS").write_text("{}")
+    (data / "manifest.json").write_text(json.dumps({"image_size": 16, "patch_size": 4, "patch_dim": 48}))
+    spec = tmp_path / "evaluate.yaml"
+    spec.write_text(f"data: {data}\ninit: scratch\nmodel: ViT-Ti/16\nmodel_overrides: {{depth: 1, patch_size: 4}}\n"
+                    f"tracking_uri: {not_mlflow}\n")
+    result = CliRunner().invoke(app, ["evaluate", str(spec)])
     assert result.exit_code == 1
     [line] = result.output.strip().splitlines()
-    assert line.startswith("error: RuntimeError: the object store went away (log: ")
-    assert "second line of detail" in _log_file(line).read_text()
+    assert line.startswith("error: MlflowException: API request to endpoint /api/2.0/mlflow/"), line
+    assert "404 != 200" in line and "Error code explanation" not in line
+    assert "Error code explanation: 404" in _log_file(line).read_text()
 
 
 def test_an_unwritable_log_directory_does_not_stop_the_command(tmp_path, monkeypatch) -> None:

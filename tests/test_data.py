@@ -4,6 +4,7 @@ and the manifest reader they use (`pipelines.core.shards.read_manifest`)."""
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -149,10 +150,33 @@ def test_load_split_returns_tensors_ordered_by_key(tiny_dataset):
     assert y.tolist() == [rows[k][1] for k in keys]
 
 
-def test_load_split_takes_the_first_k_per_class(tiny_dataset):
+def _first_per_class(rows: dict[str, tuple[np.ndarray, int]], k: int) -> list[str]:
+    """The first `k` keys of each class, going through the keys in sorted order."""
+    taken: dict[int, int] = {}
+    chosen = []
+    for key in sorted(rows):
+        label = rows[key][1]
+        if taken.get(label, 0) < k:
+            taken[label] = taken.get(label, 0) + 1
+            chosen.append(key)
+    return chosen
+
+
+def test_load_split_takes_the_first_k_per_class_in_key_order(tiny_dataset):
+    rows = stored_rows(tiny_dataset, "train")
+    keys = _first_per_class(rows, 2)
+    assert min(Counter(label for _, label in rows.values()).values()) > 2  # more than k a class: first is not last
     x, y = load_split(tiny_dataset, "train", per_class=2)
-    assert sorted(y.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert load_split(tiny_dataset, "train", limit=5)[0].shape[0] == 5
+    assert y.tolist() == [rows[k][1] for k in keys]
+    assert np.allclose(x.numpy().reshape(len(keys), -1), np.stack([normalize(rows[k][0]) for k in keys]))
+
+
+def test_load_split_limit_keeps_the_first_rows_in_key_order(tiny_dataset):
+    rows = stored_rows(tiny_dataset, "train")
+    keys = sorted(rows)[:5]
+    x, y = load_split(tiny_dataset, "train", limit=5)
+    assert y.tolist() == [rows[k][1] for k in keys]
+    assert np.allclose(x.numpy().reshape(5, -1), np.stack([normalize(rows[k][0]) for k in keys]))
 
 
 def test_unknown_split_is_a_value_error(tiny_dataset):

@@ -74,14 +74,28 @@ def _table(n: int, size: int = 16, patch: int = 4) -> tuple[pa.Table, dict]:
     return table, manifest
 
 
-def test_the_minival_holdout_splits_train_by_key_disjointly_and_completely():
-    table, manifest = _table(200)
-    train = decode_batch(table, manifest=manifest, keep="train", holdout=0.2, size=16, aug=None)
-    held = decode_batch(table, manifest=manifest, keep="holdout", holdout=0.2, size=16, aug=None)
-    assert len(train["label"]) + len(held["label"]) == 200
-    assert 20 <= len(held["label"]) <= 60  # about a fifth
+def _kept_keys(table: pa.Table, manifest: dict, keep: str) -> set[str]:
+    """Keys of the rows `decode_batch` keeps; the table's labels are row numbers, so they name the rows."""
+    table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(np.arange(len(table)), pa.int64()))
+    out = decode_batch(table, manifest=manifest, keep=keep, holdout=0.2, size=16, aug=None)
     keys = table.column("key").to_pylist()
-    assert in_holdout(keys, 0.2).tolist() == in_holdout(keys, 0.2).tolist()  # stable: a pure function of the key
+    return {keys[i] for i in out["label"].tolist()}
+
+
+def test_the_minival_holdout_and_the_train_rows_are_disjoint_and_cover_every_key():
+    table, manifest = _table(200)
+    train, held = _kept_keys(table, manifest, "train"), _kept_keys(table, manifest, "holdout")
+    assert not train & held
+    assert train | held == set(table.column("key").to_pylist())
+    assert 20 <= len(held) <= 60  # about a fifth
+
+
+def test_the_minival_holdout_decides_each_key_whatever_the_row_order():
+    keys = [f"img-{i:04d}.png" for i in range(200)]
+    shuffled = [keys[i] for i in np.random.default_rng(0).permutation(len(keys))]
+    in_order = dict(zip(keys, in_holdout(keys, 0.2).tolist()))
+    assert dict(zip(shuffled, in_holdout(shuffled, 0.2).tolist())) == in_order
+    assert 0 < sum(in_order.values()) < len(keys)  # both sides non-empty, or the comparison says little
 
 
 def test_rows_are_resized_to_the_trial_resolution_in_the_shared_patch_order():

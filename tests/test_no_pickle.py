@@ -216,7 +216,9 @@ def test_a_pickled_weights_file_given_as_init_is_refused_in_one_line_without_run
     assert not marker.exists()
 
 
-def test_the_demo_registers_its_fine_tuned_models_and_its_vtn(tmp_path):
+def test_the_demo_spec_names_a_registry_model_for_its_fine_tunes_and_its_vtn(tmp_path):
+    # Only the spec: registering under `registry_model` is tested per stage (test_finetune, test_video_train);
+    # a demo run is too slow here.
     image, video = demo_spec(tmp_path), demo_spec(tmp_path, video=True)
     assert image.resolved_config("finetune_pretrained")["registry_model"] == "vitpipe-demo-digits"
     assert image.resolved_config("finetune_scratch")["registry_model"] == "vitpipe-demo-digits"

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 import vit
 from pipelines.core import tracking
 from pipelines.image.attention_map import attention_maps, rollout
-from pipelines.image.finetune_results import TRIAL_CURVES_FIGURE, log_trial_curves
+from pipelines.image.finetune_results import TRIAL_CURVES_FIGURE, figure_of_trial_curves, log_trial_curves
 
 
 def test_rollout_through_layers_that_attend_to_themselves_keeps_the_pooled_tokens_own_row():
@@ -29,19 +29,43 @@ def test_attention_maps_of_a_vit_cover_its_patch_grid():
     assert maps.shape == (3, 4, 4) and abs(maps.sum() - 3) < 1e-4 and (maps >= 0).all()
 
 
-def test_the_fine_tune_run_gets_one_figure_of_all_trials_curves(tmp_path):
+def _sweep(tmp_path: Path) -> tuple[MlflowClient, str, list[dict], dict[str, list]]:
+    """A stage run, two trials' nested runs with metrics and one trial that failed before its run was opened;
+    also what each trial logged: `{key: sorted [(trial_id, [(step, value), ...]), ...]}`."""
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = tracking.get_or_create_experiment(client, "curves")
     parent = client.create_run(experiment).info.run_id
-    outcomes = []
+    outcomes, logged = [], {"val_top1": [], "train_loss": []}
     for i, status in enumerate(("completed", "early_stopped")):
         run_id = client.create_run(experiment).info.run_id
         buffer = tracking.MetricBuffer(client, run_id)
+        values = {"train_loss": [], "val_top1": []}
         for step in range(1, 5 if status == "completed" else 3):
-            buffer.add({"train_loss": 2.0 / step + i, "val_top1": 0.2 * step}, step)
+            metrics = {"train_loss": 2.0 / step + i, "val_top1": 0.2 * step}
+            buffer.add(metrics, step)
+            for key, value in metrics.items():
+                values[key].append((step, value))
         buffer.flush()
         outcomes.append({"trial_id": f"t{i}", "status": status, "run_id": run_id})
+        for key, points in values.items():
+            logged[key].append((f"t{i}", points))
     outcomes.append({"trial_id": "t2", "status": "failed"})  # failed before its run was opened
+    return client, parent, outcomes, logged
+
+
+def test_the_trial_curves_figure_has_one_curve_per_trial_that_logged_metrics(tmp_path):
+    client, _, outcomes, logged = _sweep(tmp_path)
+    figure = figure_of_trial_curves(client, outcomes, ("val_top1", "train_loss"))
+    assert len(figure.axes) == 2
+    for ax, key in zip(figure.axes, ("val_top1", "train_loss")):
+        plotted = sorted((line.get_label(), [(float(x), float(y)) for x, y in zip(line.get_xdata(), line.get_ydata())])
+                         for line in ax.get_lines())
+        assert plotted == logged[key]  # t0 and t1 with their own points; t2 has none
+    figure.clf()
+
+
+def test_the_fine_tune_run_gets_the_trial_curves_figure_as_a_png(tmp_path):
+    client, parent, outcomes, _ = _sweep(tmp_path)
     assert log_trial_curves(client, parent, outcomes)
     picture = Path(client.download_artifacts(parent, TRIAL_CURVES_FIGURE, str(tmp_path)))
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

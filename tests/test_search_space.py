@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 from ray import tune
 
 from pipelines.image.search_space import PARAMS, SearchSpace, build_search_alg
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_constants_and_distributions_become_tune_domains():
@@ -104,12 +110,29 @@ def test_the_bayes_searcher_is_optuna_proposing_values_inside_the_space():
     assert len({p["lr"] for p in proposals}) == 5  # sampled, not a constant
 
 
-def test_the_bayes_searcher_without_a_backend_says_none_is_installed(monkeypatch):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("optuna", "hyperopt") else real_find_spec(name, *a))
-    with pytest.raises(ValueError, match="searcher 'bayes' needs optuna or hyperopt installed; neither is"):
-        SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}}).check_searcher("bayes")
+def _site_packages_without(tmp_path: Path, *missing: str) -> Path:
+    """This interpreter's site-packages, entry by entry as links, less the distributions named `missing`."""
+    farm = tmp_path / "site-packages"
+    farm.mkdir()
+    for sitedir in dict.fromkeys((sysconfig.get_path("purelib"), sysconfig.get_path("platlib"))):
+        for entry in Path(sitedir).iterdir():
+            project = entry.name.split("-")[0].split(".")[0].lower()  # optuna/, optuna-5.1.0.dist-info
+            if project not in missing and not (farm / entry.name).exists():
+                (farm / entry.name).symlink_to(entry)
+    return farm
+
+
+def test_the_bayes_searcher_without_a_backend_says_none_is_installed(tmp_path):
+    # `bayes_backend` asks `importlib.util.find_spec`, which finds any package on the path, even one that fails
+    # to import: so a Python (-S: no site-packages of its own) whose site-packages lacks both backends.
+    farm = _site_packages_without(tmp_path, "optuna", "hyperopt")
+    check = ("import site, sys; site.addsitedir(sys.argv[1]); from pipelines.image.search_space import SearchSpace; "
+             "SearchSpace.parse({'lr': {'loguniform': [1e-3, 1e-1]}}).check_searcher('bayes')")
+    done = subprocess.run([sys.executable, "-S", "-c", check, str(farm)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ValueError: searcher 'bayes' needs optuna or hyperopt installed; neither is (use 'random' or 'grid')")
 
 
 def test_grid_and_random_use_tunes_own_variant_generator():

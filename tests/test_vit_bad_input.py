@@ -56,11 +56,16 @@ def test_a_grid_that_does_not_fit_the_sequence(model):
         model(torch.randn(1, 16, 48), grid=(5, 5))
 
 
-def test_wrong_rank_and_integer_pixels(model):
-    with pytest.raises(ValueError, match=r"images \(B, C, H, W\) or patch sequences .* got shape \(3, 16\)"):
+def test_an_input_of_the_wrong_rank(model):
+    with pytest.raises(ValueError) as e:
         model(torch.randn(3, 16))
-    with pytest.raises(ValueError, match="float tensor .* got dtype torch.uint8"):
+    assert "images (B, C, H, W) or patch sequences" in one_line(e) and "got shape (3, 16)" in one_line(e)
+
+
+def test_integer_pixels(model):
+    with pytest.raises(ValueError) as e:
         model(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
+    assert "float tensor" in one_line(e) and "got dtype torch.uint8" in one_line(e)
 
 
 def test_unknown_preset_name_lists_the_known_ones():

@@ -94,10 +94,9 @@ def finish_trial_runs(client: Any, parent: str, outcomes: list[dict[str, Any]]) 
         client.set_terminated(run_id, status="FAILED" if trial["status"] == "failed" else "FINISHED")
 
 
-def log_trial_curves(client: Any, run_id: str, outcomes: list[dict[str, Any]],
-                     keys: tuple[str, ...] = ("val_top1", "train_loss")) -> bool:
-    """One figure of every trial's `keys` against step (from its nested run) in the stage run; False when
-    no trial logged any."""
+def figure_of_trial_curves(client: Any, outcomes: list[dict[str, Any]],
+                           keys: tuple[str, ...] = ("val_top1", "train_loss")) -> Any | None:
+    """One figure of every trial's `keys` against step, read from its nested run; None when no trial logged any."""
     curves = []
     for trial in outcomes:
         if "run_id" not in trial:  # failed before its run was opened
@@ -109,8 +108,16 @@ def log_trial_curves(client: Any, run_id: str, outcomes: list[dict[str, Any]],
             metrics[key] = sorted({m.step: m.value for m in history}.items())
         curves.append({"label": trial["trial_id"], "status": trial["status"], "metrics": metrics})
     if not any(points for curve in curves for points in curve["metrics"].values()):
+        return None
+    return plots.trial_curves_figure(curves, keys)
+
+
+def log_trial_curves(client: Any, run_id: str, outcomes: list[dict[str, Any]],
+                     keys: tuple[str, ...] = ("val_top1", "train_loss")) -> bool:
+    """Log `figure_of_trial_curves` in the stage run as TRIAL_CURVES_FIGURE; False when no trial logged any."""
+    figure = figure_of_trial_curves(client, outcomes, keys)
+    if figure is None:
         return False
-    figure = plots.trial_curves_figure(curves, keys)
     client.log_figure(run_id, figure, TRIAL_CURVES_FIGURE)
     figure.clf()
     return True
@@ -226,6 +233,7 @@ def _log_best_model(client: Any, run_id: str, model: Any, registry_model: str | 
 __all__ = [
     "error_line",
     "evaluate_split",
+    "figure_of_trial_curves",
     "finish_trial_runs",
     "load_trial_model",
     "log_trial_curves",
