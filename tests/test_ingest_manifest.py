@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from pipelines.core.errors import IngestError
+from pipelines.core.shards import class_names
 from pipelines.image.ingest import IngestConfig, run_ingest
 
 
@@ -84,16 +85,28 @@ def test_a_listed_object_that_does_not_exist_is_rejected_as_missing(parquet_run)
     assert result.manifest["rejected"][0]["reason"] == "does not exist"
 
 
-def test_csv_manifest_with_integer_labels_and_no_split(ray_cluster, flat, tmp_path):
+@pytest.fixture(scope="module")
+def integer_run(ray_cluster, flat, tmp_path_factory):
+    """A CSV manifest of integer labels 3 and 4, no split column."""
     root, keys = flat
-    csv = tmp_path / "labels.csv"
+    csv = tmp_path_factory.mktemp("m") / "labels.csv"
     csv.write_text("key,label\n" + "".join(f"{k},{i % 2 + 3}\n" for i, k in enumerate(keys)))
-    result = run_ingest(_config(root, csv, tmp_path / "out", val_fraction=0.25))
-    assert result.manifest["classes"] == {"3": 3, "4": 4}
-    rows = _rows(result)
+    return run_ingest(_config(root, csv, tmp_path_factory.mktemp("out") / "o", val_fraction=0.25))
+
+
+def test_csv_manifest_with_integer_labels_and_no_split(integer_run, flat):
+    _, keys = flat
+    assert integer_run.manifest["classes"] == {"3": 3, "4": 4}
+    rows = _rows(integer_run)
     assert sorted(rows) == sorted(keys)
     assert {row["label"] for row in rows.values()} == {3, 4}
-    assert result.manifest["split_source"] == "hash"
+    assert integer_run.manifest["split_source"] == "hash"
+
+
+def test_integer_labels_keep_their_ids_so_the_class_count_reaches_the_largest(integer_run):
+    # A head of len(classes) = 2 outputs could not take label 4; ids 0-2 are outputs no image uses.
+    assert integer_run.manifest["num_classes"] == 5
+    assert class_names(integer_run.manifest) == ["0", "1", "2", "3", "4"]
 
 
 @pytest.mark.parametrize(

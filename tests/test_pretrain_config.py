@@ -74,6 +74,12 @@ def test_user_class_count_wins_over_the_data():
     assert model_overrides(config(model_overrides={**TINY, "num_classes": 7}), MANIFEST)["num_classes"] == 7
 
 
+def test_the_class_count_reaches_the_largest_label_when_labels_skip_ids():
+    # Integer labels keep their ids; a manifest written before that counted the names (2 here).
+    manifest = {**MANIFEST, "classes": {"3": 3, "4": 4}, "num_classes": 2}
+    assert model_overrides(config(), manifest)["num_classes"] == 5
+
+
 def test_patch_size_that_contradicts_the_data_is_refused():
     with pytest.raises(ValueError, match=r"model_overrides.patch_size=8 does not match the ingest manifest \(4\)"):
         model_overrides(config(model_overrides={**TINY, "patch_size": 8}), MANIFEST)

@@ -379,7 +379,7 @@ def manifest_summary(summaries: list[dict[str, Any]], noun: str) -> dict[str, An
     rejected = sorted((r for s in summaries for r in s["rejected"]), key=lambda r: r["key"])
     return {
         "classes": classes,
-        "num_classes": len(classes),
+        "num_classes": max(classes.values(), default=-1) + 1,  # labels may skip ids: see shards.class_names
         "counts": {
             **split_counts,
             noun: sum(s["rows"] for s in summaries),

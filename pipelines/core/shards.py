@@ -228,11 +228,21 @@ def read_manifest(output: str | Store, *, endpoint_url: str | None = None) -> di
 
 
 def class_names(manifest: Mapping[str, Any]) -> list[str]:
-    """A manifest's class names in label order (`classes` is a name → label map, or a list of names)."""
+    """A manifest's class names indexed by label (`classes` is a name → label map, or a list of names).
+
+    Integer labels keep their values (a label manifest's 1-based ids, a WebDataset subset's
+    class numbers), so labels may skip ids: a skipped id is named by its number, and the
+    list's length is the head size the labels need."""
     classes = manifest["classes"]
-    if isinstance(classes, Mapping):
-        return [name for name, _ in sorted(classes.items(), key=lambda item: int(item[1]))]
-    return [str(c) for c in classes]
+    if not isinstance(classes, Mapping):
+        return [str(c) for c in classes]
+    by_label = {int(label): name for name, label in classes.items()}
+    return [by_label.get(label, str(label)) for label in range(max(by_label, default=-1) + 1)]
+
+
+def num_classes(manifest: Mapping[str, Any]) -> int:
+    """Outputs a classifier head needs for a manifest's labels: the largest label + 1."""
+    return len(class_names(manifest))
 
 
 def finished_manifest(out: Store, fingerprint: str, input_digest: str | None = None) -> dict[str, Any] | None:

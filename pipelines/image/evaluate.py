@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -120,13 +121,16 @@ def few_shot_accuracy(support: tuple[torch.Tensor, torch.Tensor], query: tuple[t
     return float((predicted == query[1]).double().mean())
 
 
-def sample_support(labels: np.ndarray, shots: int, rng: np.random.Generator, class_names: list[str]) -> np.ndarray:
-    """Indices of `shots` random images of every class; a ValueError names a class with too few."""
+def sample_support(labels: np.ndarray, shots: int, rng: np.random.Generator,
+                   class_names: Sequence[str] | Mapping[int, str]) -> np.ndarray:
+    """Indices of `shots` random images of every class (`class_names`: names indexed by label, or
+    label → name for the classes there are); a ValueError names a class with too few."""
+    classes = class_names.items() if isinstance(class_names, Mapping) else enumerate(class_names)
     chosen = []
-    for c in range(len(class_names)):
+    for c, name in classes:
         idx = np.flatnonzero(labels == c)
         if len(idx) < shots:
-            raise ValueError(f"shots: {shots}-shot needs {shots} support images of every class; class {class_names[c]!r} has {len(idx)}")
+            raise ValueError(f"shots: {shots}-shot needs {shots} support images of every class; class {name!r} has {len(idx)}")
         chosen.append(rng.choice(idx, size=shots, replace=False))
     return np.concatenate(chosen)
 
@@ -183,6 +187,9 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
 def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
     """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
     names = class_names(data.manifest)
+    classes = data.manifest["classes"]  # support comes from the classes there are: labels may skip ids
+    present = (dict(sorted((int(y), n) for n, y in classes.items())) if isinstance(classes, Mapping)
+               else dict(enumerate(names)))
     for split in {config.query_split, config.support_split}:
         if int(data.manifest.get("counts", {}).get(split, 0)) == 0:
             raise ValueError(f"{data.uri} has no {split!r} split to use as the {'query' if split == config.query_split else 'support'} set")
@@ -193,7 +200,7 @@ def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, si
     query = (torch.cat([q[0] for q in query_parts]), torch.cat([q[1] for q in query_parts]))
     keys, labels = _support_pool(data, config.support_split)
     rng = np.random.default_rng(config.seed)
-    plans = {k: [sample_support(labels, k, rng, names) for _ in range(config.repeats)] for k in config.shots}
+    plans = {k: [sample_support(labels, k, rng, present) for _ in range(config.repeats)] for k in config.shots}
     needed = sorted({keys[i] for picks in plans.values() for idx in picks for i in idx})
     patches, _ = _rows_for_keys(data, config.support_split, needed, size)
     features = dict(zip(needed, embed(model, patches, config.batch_size)))

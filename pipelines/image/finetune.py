@@ -36,7 +36,7 @@ from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
 from pipelines.core.storage import S3Settings
 from pipelines.image.finetune_data import DataSpec, raw_bytes
-from pipelines.core.shards import class_names
+from pipelines.core.shards import num_classes
 from pipelines.image.finetune_results import report_sweep
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
@@ -321,7 +321,7 @@ def _sweep_context(config: FinetuneConfig, run: StageRun, tracking_uri: str, *, 
         # Only fields without weights may be overridden on a pretrained model.
         "model_overrides": {k: v for k, v in config.model_overrides.items()
                             if k not in (*ARCH_FIELDS, "image_size", "num_classes")},
-        "init_checkpoint": init_path, "num_classes": len(class_names(data.manifest)),
+        "init_checkpoint": init_path, "num_classes": num_classes(data.manifest),
         "batch_size_per_worker": batch_size // config.num_workers,
         "checkpoint_interval": config.checkpoint_interval or config.eval_interval, "torch_threads": threads,
         "val_dataset": None,

@@ -22,7 +22,7 @@ import vit
 from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, find_vitpipe_error
 from pipelines.core.registry import Score, log_vit_model, register
-from pipelines.core.shards import class_names
+from pipelines.core.shards import class_names, num_classes
 from pipelines.image.finetune_data import iter_rows
 from pipelines.image.finetune_trial import latest_checkpoint
 
@@ -135,7 +135,7 @@ def evaluate_split(model: Any, data: Any, split: str, size: int) -> tuple[float,
     """Top-1 and the confusion matrix (rows: true class) of `model` on one split, read shard by shard."""
     import torch
 
-    classes = int(data.manifest.get("num_classes") or len(data.manifest["classes"]))
+    classes = num_classes(data.manifest)
     matrix = np.zeros((classes, classes), dtype=np.int64)
     model.eval()
     for batch in iter_rows(data, split, size=size):

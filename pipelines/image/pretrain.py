@@ -28,7 +28,7 @@ from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
-from pipelines.core.shards import read_manifest
+from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
@@ -140,7 +140,7 @@ def model_overrides(config: PretrainConfig, manifest: dict[str, Any]) -> dict[st
         if not vit.is_vit_name(config.model) or config.model.startswith("R50+"):
             raise ValueError(f"objective mae needs a plain ViT encoder, got model {config.model!r}")
         out["num_classes"] = 0  # the encoder's head goes unused: fine-tuning puts one on
-    out.setdefault("num_classes", int(manifest.get("num_classes") or len(manifest["classes"])))
+    out.setdefault("num_classes", num_classes(manifest))
     derived: dict[str, Any] = {}
     if vit.is_vit_name(config.model):  # other families (e.g. VTN) size their inputs their own way
         derived["image_size"] = manifest["image_size"]

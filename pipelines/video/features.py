@@ -50,7 +50,7 @@ from pipelines.core.stage_config import DataToOutput, load_stage_config
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.training.step import resolve_precision
 from pipelines.video import shards as video_shards
-from pipelines.core.shards import class_names
+from pipelines.core.shards import num_classes
 from pipelines.video.data import manifest_digest, prepare_full_video, read_video_manifest, shard_keys
 from pipelines.video.feature_data import COLUMNS, DTYPES, FORMAT, SCHEMA, features_table, table_hash
 from pipelines.video.model import FrozenBackbone, InitialModel, build_initial_model, check_backbone_choice
@@ -231,7 +231,7 @@ def load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) 
     """The frozen VTN whose backbone computes the features (built as video_train builds its model),
     and the backbone as the manifest records it."""
     tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
-    initial = build_initial_model(config.model_spec(), len(class_names(source_manifest)), tracking_uri)
+    initial = build_initial_model(config.model_spec(), num_classes(source_manifest), tracking_uri)
     return initial, {
         "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,
         "overrides": initial.model.config.backbone_overrides, "weights_hash": vit.weights_hash(initial.model.backbone),
@@ -302,7 +302,7 @@ def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], fram
         "precision": identity["precision"],
         "sampling": source.get("sampling") or {},
         "classes": source["classes"],
-        "num_classes": len(source["classes"]),
+        "num_classes": num_classes(source),
         "counts": counts,
         "shards": [{"path": s["key"], "rows": s["rows"], "split": s["split"]} for s in summaries],
         "content_hash": "sha256:" + hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest(),
