@@ -9,6 +9,7 @@ and SQLite tracking.
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 import vit
 from pipelines.core import registry
+from pipelines.core.errors import VitpipeError
 from pipelines.image.pretrain import PretrainConfig, run_pretrain
 from pipelines.training.trainer import TrainingDivergedError
 from tests.process_output import result_json
@@ -383,3 +385,16 @@ def test_non_finite_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(corp
     run = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])[0]
     assert run.info.status == "FAILED"
     assert run.data.tags["vitpipe.diverged_at_step"] == "2"
+
+
+def test_a_worker_error_reaches_the_user_as_one_line_with_its_cause(corpus, tmp_path):
+    # A damaged shard: its footer reads, its pages do not, so the workers' reads fail, not the driver's.
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    shard = sorted((data / "shards").glob("*.parquet"))[0]
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:64] + bytes(len(raw) // 2 - 64) + raw[len(raw) // 2:])
+    config = base_config(str(data), tmp_path, run_name="damaged", max_failures=0)
+    with pytest.raises(VitpipeError, match=r"^pretrain: training failed \(max_failures=0\): \w+(Error|Exception): ") as caught:
+        run_pretrain(config)
+    assert "worker errors:" not in str(caught.value), str(caught.value)

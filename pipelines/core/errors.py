@@ -72,3 +72,25 @@ _TRACEBACK_LINE = re.compile(r"^pipelines\.core\.errors\.(\w+): (.+)$", re.MULTI
 _CLASSES: dict[str, type[VitpipeError]] = {
     c.__name__: c for c in (VitpipeError, StorageError, TransientStorageError, ObjectTooLarge, IngestError)
 }
+
+
+# Ray's wrapping exceptions: their own lines never name the cause.
+_WRAPPERS = ("RayTaskError", "TrainingFailedError", "TuneError", "WorkerGroupError", "RayActorError", "ControllerError")
+
+
+def error_line(error: object) -> str:
+    """One line for an error from Ray (a failed trial, a training run, a task): the innermost `Type: message`
+    of its traceback, not Ray's wrappers; a `VitpipeError` behind them is given as it is."""
+    if error is None:
+        return "unknown error"
+    ours = find_vitpipe_error(error) if isinstance(error, BaseException) else None
+    if ours is not None:
+        return f"{type(ours).__name__}: {ours}"
+    text = str(error)
+    found = re.findall(r"(?:^|\s)([A-Za-z_][\w.]*(?:Error|Exception)): (.+)", text)
+    inner = [(kind, msg) for kind, msg in found if not kind.rsplit(".", 1)[-1].startswith(_WRAPPERS)]
+    if inner:
+        kind, message = inner[-1]
+        return f"{kind.rsplit('.', 1)[-1]}: {' '.join(message.split())}"[:300]
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return " ".join(first.split())[:300]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import tempfile
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 
 import vit
 from pipelines.core import plots, tracking
-from pipelines.core.errors import VitpipeError, find_vitpipe_error
+from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.registry import Score, log_vit_model, register
 from pipelines.core.shards import class_names, num_classes
 from pipelines.image.finetune_data import iter_rows
@@ -50,26 +49,6 @@ def trial_outcomes(result_grid: Any, metric: str) -> list[dict[str, Any]]:
             "metric": last.get(metric) if status != "failed" else None, "error": error,
         })
     return out
-
-
-_WRAPPERS = ("RayTaskError", "TrainingFailedError", "TuneError", "WorkerGroupError", "RayActorError", "ControllerError")
-
-
-def error_line(error: Any) -> str:
-    """One line for a trial's error: the innermost `Type: message` of its traceback, not Ray's wrappers."""
-    if error is None:
-        return "unknown error"
-    ours = find_vitpipe_error(error) if isinstance(error, BaseException) else None
-    if ours is not None:
-        return f"{type(ours).__name__}: {ours}"
-    text = str(error)
-    found = re.findall(r"(?:^|\s)([A-Za-z_][\w.]*(?:Error|Exception)): (.+)", text)
-    inner = [(kind, msg) for kind, msg in found if not kind.rsplit(".", 1)[-1].startswith(_WRAPPERS)]
-    if inner:
-        kind, message = inner[-1]
-        return f"{kind.rsplit('.', 1)[-1]}: {' '.join(message.split())}"[:300]
-    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    return " ".join(first.split())[:300]
 
 
 def finish_trial_runs(client: Any, parent: str, outcomes: list[dict[str, Any]]) -> None:
@@ -231,7 +210,6 @@ def _log_best_model(client: Any, run_id: str, model: Any, registry_model: str | 
 
 
 __all__ = [
-    "error_line",
     "evaluate_split",
     "figure_of_trial_curves",
     "finish_trial_runs",

@@ -17,7 +17,7 @@ from typing import Any
 
 import vit
 from pipelines.core import registry, storage, tracking
-from pipelines.core.errors import VitpipeError, find_vitpipe_error
+from pipelines.core.errors import VitpipeError, error_line, find_vitpipe_error
 from pipelines.training.hooks import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, LoopHooks
 from pipelines.training.loop import train_loop_per_worker
 from pipelines.training.recipe import Workers
@@ -133,8 +133,7 @@ def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: s
         known = find_vitpipe_error(err)
         if known is not None:
             raise known from err
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise VitpipeError(f"{stage}: training failed (max_failures={config.max_failures}): {first}") from err
+        raise VitpipeError(f"{stage}: training failed (max_failures={config.max_failures}): {error_line(err)}") from err
     tracking.set_tags(client, run_id, {"vitpipe.storage_path": str(result.path)})
     diverged = read_diverged(result)
     if diverged is not None:
