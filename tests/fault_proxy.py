@@ -3,6 +3,8 @@
 
 Faults, per object key and for a chosen number of requests (or for ever):
 * `slowdown`: answer `503 SlowDown` with S3's XML error body;
+* `badkey`: answer `403 InvalidAccessKeyId`, as S3 does to a worker with another account's keys;
+* `denied`: answer `403 AccessDenied`, as S3 does when a policy forbids reading that object;
 * `reset`: reset the TCP connection before any response;
 * `truncate`: forward the request, then send the response head and half the body and reset.
 
@@ -22,11 +24,13 @@ import threading
 from collections import Counter
 from urllib.parse import unquote, urlsplit
 
-_SLOWDOWN_BODY = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-    b"<Message>Please reduce your request rate.</Message></Error>"
-)
-FAULTS = ("slowdown", "reset", "truncate")
+# fault -> (status line, S3 error code, message): answered without asking the server
+_ANSWERS = {
+    "slowdown": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
+    "badkey": ("403 Forbidden", "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
+    "denied": ("403 Forbidden", "AccessDenied", "Access Denied"),
+}
+FAULTS = (*_ANSWERS, "reset", "truncate")
 
 
 class FaultProxy:
@@ -119,12 +123,12 @@ class _Handler(socketserver.BaseRequestHandler):
         method, target, _ = request_line.split(" ", 2)
         headers = [h for h in header_lines if h and not h.lower().startswith(("connection:", "expect:"))]
         fault = proxy._fault_for(method, target)
-        if fault is not None and fault[1] == "slowdown":
-            client.sendall(
-                b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                + f"Content-Length: {len(_SLOWDOWN_BODY)}\r\nConnection: close\r\n\r\n".encode()
-                + _SLOWDOWN_BODY
-            )
+        if fault is not None and fault[1] in _ANSWERS:
+            status, code, message = _ANSWERS[fault[1]]
+            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                    f"<Message>{message}</Message></Error>").encode()
+            client.sendall(f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+                           "Connection: close\r\n\r\n".encode() + body)
             return
         if fault is not None and fault[1] == "reset":
             _reset(client)

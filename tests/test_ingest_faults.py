@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 from PIL import Image
 
 from pipelines.core import shards
-from pipelines.core.errors import StorageError, TransientStorageError
+from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
 from pipelines.core.ingest import IngestKind, run_sharded_ingest
 from pipelines.core.s3 import storage_error
 from pipelines.image.ingest import IngestConfig, run_ingest
@@ -43,9 +43,9 @@ def proxy(s3_env):
         yield running
 
 
-def _config(source: str, output: Path, proxy: FaultProxy) -> IngestConfig:
+def _config(source: str, output: Path, proxy: FaultProxy, max_reject_fraction: float = 0.0) -> IngestConfig:
     return IngestConfig(source=source, output=str(output), endpoint_url=proxy.url, image_size=16, patch_size=4,
-                        shard_size=8, max_reject_fraction=0.0)
+                        shard_size=8, max_reject_fraction=max_reject_fraction)
 
 
 def _stored_keys(output: Path) -> list[str]:
@@ -82,6 +82,27 @@ def test_a_fault_that_persists_fails_the_stage_in_one_line_naming_the_key_and_a_
     proxy.clear()
     rerun = run_ingest(_config(corpus, tmp_path / "out", proxy))
     assert rerun.counts["images"] == len(KEYS) and rerun.counts["rejected"] == 0
+    assert _stored_keys(tmp_path / "out") == sorted(KEYS)
+
+
+def test_a_read_refused_for_the_workers_credentials_fails_the_stage_and_rejects_no_object(
+    ray_cluster, corpus, proxy, tmp_path
+):
+    # Rejections are tolerated here, so only failing the stage keeps the object from being lost.
+    proxy.fail("corpus/class0/02.jpg", "badkey", times=None)
+    with pytest.raises(StoreAccessError, match=rf"^{corpus}/class0/02.jpg: the access key is not known"):
+        run_ingest(_config(corpus, tmp_path / "out", proxy, max_reject_fraction=0.5))
+    assert not (tmp_path / "out" / shards.SUCCESS).exists()
+
+
+def test_an_object_refused_access_is_read_again_by_a_rerun_once_allowed(ray_cluster, corpus, proxy, tmp_path):
+    proxy.fail("corpus/class2/06.jpg", "denied", times=None)
+    first = run_ingest(_config(corpus, tmp_path / "out", proxy, max_reject_fraction=0.5))
+    assert [(r["key"], r["reason"]) for r in first.manifest["rejected"]] == [("class2/06.jpg", "access denied")]
+
+    proxy.clear()  # the permission is granted; the object's version, and so its shard's plan, is the same
+    rerun = run_ingest(_config(corpus, tmp_path / "out", proxy, max_reject_fraction=0.5))
+    assert rerun.counts["rejected"] == 0
     assert _stored_keys(tmp_path / "out") == sorted(KEYS)
 
 

@@ -32,6 +32,11 @@ class TransientStorageError(StorageError):
     the object is never recorded as bad."""
 
 
+class StoreAccessError(StorageError):
+    """The store refuses this client, whatever the object: no or unknown credentials, a wrong
+    secret, no such bucket. A task fails on it; it is never recorded as one object's rejection."""
+
+
 class ObjectTooLarge(StorageError):
     """An object is larger than the configured cap; it was not read."""
 
@@ -64,13 +69,20 @@ def find_vitpipe_error(exc: BaseException) -> VitpipeError | None:
     found = _TRACEBACK_LINE.findall(str(exc))
     if found:
         name, message = found[-1]
-        return _CLASSES.get(name, VitpipeError)(message)
+        return error_class(name)(message)
     return None
+
+
+def error_class(name: str) -> type[VitpipeError]:
+    """The error class of this module named `name` (`VitpipeError` when none is): errors that
+    travel from Ray workers as text or data come back as the class they left as."""
+    return _CLASSES.get(name, VitpipeError)
 
 
 _TRACEBACK_LINE = re.compile(r"^pipelines\.core\.errors\.(\w+): (.+)$", re.MULTILINE)
 _CLASSES: dict[str, type[VitpipeError]] = {
-    c.__name__: c for c in (VitpipeError, StorageError, TransientStorageError, ObjectTooLarge, IngestError)
+    c.__name__: c for c in (VitpipeError, StorageError, TransientStorageError, StoreAccessError, ObjectTooLarge,
+                             IngestError)
 }
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pipelines.core.errors import StorageError, TransientStorageError
+from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
 from pipelines.core.storage import S3Store, Store
 
 
@@ -52,12 +52,13 @@ def fetch_planned(
 def fetch(source: Store, key: str, max_bytes: int | None = None) -> bytes | str:
     """An object's bytes, or the reason it is rejected (missing, forbidden, too large, a file name
     that is not UTF-8). Raises `TransientStorageError` when the read kept failing for a cause that
-    may pass: that is no property of the object."""
+    may pass, and `StoreAccessError` when the store refuses this worker whatever the object
+    (credentials, bucket): neither is a property of the object."""
     if printable(key) != key:
         return "file name is not valid UTF-8"
     try:
         return source.read(key, max_bytes)
-    except TransientStorageError:
+    except (TransientStorageError, StoreAccessError):
         raise
     except StorageError as exc:
         return exc.message.removeprefix(f"{source.child_uri(key)}: ")
@@ -68,7 +69,12 @@ def printable(key: str) -> str:
     return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+# Rejections that say nothing of the object's content, which a rerun may read once they are mended:
+# "unreadable" (what versions before transient errors were retried recorded), a refused permission.
+_MAY_READ_LATER = ("unreadable", "access denied", "permission denied")
+
+
 def reusable(summary: dict[str, Any]) -> bool:
-    """Whether a shard written earlier may be kept. Not when it recorded a read error as a rejection
-    ("unreadable ...", as versions before transient errors were retried did): a rerun may read it now."""
-    return not any(r["reason"].startswith("unreadable") for r in summary["rejected"])
+    """Whether a shard written earlier may be kept: not when it rejected an object the object's
+    version does not account for (a permission since granted does not change its version tag)."""
+    return not any(r["reason"].startswith(_MAY_READ_LATER) for r in summary["rejected"])

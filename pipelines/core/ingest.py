@@ -44,7 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipelines.core import plan as ingest_plan, shards
 from pipelines.core.sources import Planner, object_plans, pattern_root
 from pipelines.core.fetch import reusable
-from pipelines.core.errors import IngestError, StorageError, TransientStorageError, VitpipeError, find_vitpipe_error
+from pipelines.core.errors import (IngestError, StorageError, TransientStorageError, VitpipeError, error_class,
+                                   find_vitpipe_error)
 from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
 
 log = logging.getLogger("vitpipe.ingest")
@@ -264,7 +265,7 @@ def _run_pipeline(
         for row in ds.iter_rows():
             summary = json.loads(row["summary"])
             if "error" in summary:  # a user-facing error on a worker: stop and report it as one line
-                raise _ERRORS.get(summary["error_type"], VitpipeError)(summary["error"])
+                raise error_class(summary["error_type"])(summary["error"])
             if "input_digest" in summary:
                 digest = summary["input_digest"]
             else:
@@ -289,11 +290,8 @@ PLANS_AHEAD = 256
 SHARD_TASK_RETRIES = 2
 
 
-# Errors travel from workers as data: Ray re-raises worker exceptions wrapped, with the
-# original's class and message buried in a traceback.
-_ERRORS: dict[str, type[VitpipeError]] = {cls.__name__: cls for cls in (VitpipeError, StorageError, IngestError)}
-
-
+# Errors travel from workers as data (`error_class` turns them back): Ray re-raises worker
+# exceptions wrapped, with the original's class and message buried in a traceback.
 def _error_row(column: str, err: VitpipeError) -> dict[str, Any]:
     return {column: np.array([json.dumps({"error": err.message, "error_type": type(err).__name__})], dtype=object)}
 

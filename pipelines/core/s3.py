@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipelines.core.errors import StorageError, TransientStorageError
+from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_REGION = "us-east-1"
@@ -137,12 +137,30 @@ def storage_error(uri: str, exc: BaseException, settings: S3Settings | None = No
     """Turn a botocore / pyarrow / OS error into a one-line error naming `uri`.
 
     A `TransientStorageError` when the cause may pass (throttling, 5xx, a dropped or timed-out
-    connection, expired credentials), a plain `StorageError` when it will not.
+    connection, expired credentials), a `StoreAccessError` when the store refuses this client
+    whatever the object (credentials, bucket), a plain `StorageError` otherwise (this object:
+    missing, forbidden).
     """
     if isinstance(exc, StorageError):
         return exc
     cause, transient = _cause(exc, settings)
-    return (TransientStorageError if transient else StorageError)(f"{strip_userinfo(uri)}: {cause}")
+    kind = TransientStorageError if transient else StoreAccessError if _store_wide(exc) else StorageError
+    return kind(f"{strip_userinfo(uri)}: {cause}")
+
+
+_STORE_WIDE_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "InvalidBucketName"}
+_STORE_WIDE_ARROW = ("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "NO_SUCH_BUCKET")
+
+
+def _store_wide(exc: BaseException) -> bool:
+    """Whether the cause holds for every object of the store, not only this one."""
+    from botocore import exceptions as bce
+
+    if isinstance(exc, bce.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", "")) in _STORE_WIDE_CODES
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return True
+    return isinstance(exc, OSError) and any(marker in str(exc) for marker in _STORE_WIDE_ARROW)
 
 
 def _cause(exc: BaseException, settings: S3Settings | None) -> tuple[str, bool]:

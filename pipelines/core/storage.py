@@ -5,7 +5,8 @@ keys relative to that root: paginated sorted listing, whole-object reads,
 atomic writes, deletes, and a pyarrow filesystem for Parquet readers.
 Endpoints and retries are `pipelines.core.s3.S3Settings` (re-exported here); credentials
 come from each process's own AWS chain. A read raises `TransientStorageError` when its
-cause may pass and a plain `StorageError` when the object itself is missing or forbidden.
+cause may pass, `StoreAccessError` when the store refuses this process whatever the object
+(credentials, bucket), and a plain `StorageError` when the object itself is missing or forbidden.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class Store:
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes. Raises `ObjectTooLarge` (before reading the body) when it holds more
         than `max_bytes`, `TransientStorageError` when the read kept failing for a cause that may
-        pass, and `StorageError` when it cannot be read at all (missing, forbidden)."""
+        pass, `StoreAccessError` when the store refuses this process (credentials, bucket), and
+        `StorageError` when the object cannot be read at all (missing, forbidden)."""
         raise NotImplementedError
 
     def write(self, key: str, data: bytes) -> None:
