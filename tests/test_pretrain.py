@@ -83,7 +83,8 @@ def trained(corpus, mlflow_server, s3_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain-main")
     config = base_config(
         corpus, tmp, storage=f"s3://{bucket}/runs", endpoint_url=s3_server.endpoint_url,
-        tracking_uri=mlflow_server, experiment="pretrain-main", eval_interval=12, augment=True,
+        tracking_uri=mlflow_server.replace("http://", "http://bob:hunter2@"),  # workers log through it too
+        experiment="pretrain-main", eval_interval=12, augment=True,
         ingest_run_id="ingest-run-123",
     )
     with pytest.MonkeyPatch.context() as mp:  # the AWS chain the driver resolves credentials from
@@ -149,7 +150,7 @@ def test_credentials_never_reach_mlflow(trained, s3_server):
     run = client.get_run(result.run_id)
     config_text = Path(client.download_artifacts(result.run_id, "config.yaml")).read_text()
     for text in (json.dumps(run.data.params), json.dumps(run.data.tags), config_text):
-        assert s3_server.secret_key not in text and s3_server.access_key not in text
+        assert s3_server.secret_key not in text and s3_server.access_key not in text and "hunter2" not in text
 
 
 def test_storage_keeps_the_last_checkpoints_and_the_best_model(trained, s3_server):
@@ -389,8 +390,7 @@ def test_non_finite_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(corp
 
 def test_a_worker_error_reaches_the_user_as_one_line_with_its_cause(corpus, tmp_path):
     # A damaged shard: its footer reads, its pages do not, so the workers' reads fail, not the driver's.
-    data = tmp_path / "data"
-    shutil.copytree(corpus, data)
+    shutil.copytree(corpus, data := tmp_path / "data")
     shard = sorted((data / "shards").glob("*.parquet"))[0]
     raw = shard.read_bytes()
     shard.write_bytes(raw[:64] + bytes(len(raw) // 2 - 64) + raw[len(raw) // 2:])

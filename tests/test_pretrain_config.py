@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
 from pipelines.core import shards
 from pipelines.image.pretrain import PretrainConfig, load_config, loop_settings, model_overrides, run_identity, run_pretrain
+from pipelines.training.trainer import build_trainer
 
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64)
 MANIFEST = {
@@ -112,6 +114,21 @@ def test_worker_settings_carry_no_endpoint_or_credentials():
     dumped = json.dumps(settings.model_dump(mode="json"))
     assert "127.0.0.1:9000" not in dumped and "s3://" not in dumped
     assert settings.torch_threads == 1  # one CPU per worker by default
+
+
+def test_a_tracking_password_reaches_the_workers_but_not_rays_exported_run_settings(tmp_path):
+    from ray.train.v2._internal.state.schema import RunSettings
+
+    c = config()
+    uri = "http://bob:hunter2@mlflow.example:5000"
+    settings = loop_settings(c, model_overrides(c, MANIFEST), has_val=True, run_id="r", tracking_uri=uri)
+    trainer = build_trainer(settings.model_dump(mode="json"), run_name="r", location=(str(tmp_path), None),
+                            workers=c, max_failures=0, keep=1, datasets={})
+    loop_config = trainer.train_loop_config
+    # What Ray's state API shows of a run's loop config (RunSettings' own validator), and what a worker unpickles.
+    shown = RunSettings._sanitize_train_loop_config(loop_config)
+    assert "hunter2" not in json.dumps(shown)
+    assert pickle.loads(pickle.dumps(loop_config))["tracking_uri"].value == uri
 
 
 def test_worker_settings_take_every_shared_recipe_field_and_the_stages_own():

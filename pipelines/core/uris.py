@@ -17,3 +17,18 @@ def strip_userinfo(uri: str) -> str:
     IPv6 brackets, port).
     """
     return _USERINFO.sub(r"\1", uri, count=1)
+
+
+class Unprinted:
+    """A value (a URI that may hold a password) that reaches Ray workers by pickle but reads `***`
+    wherever it is printed: Ray Train shows each run's `train_loop_config` in its state API as text."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "***"
+
+    __str__ = __repr__

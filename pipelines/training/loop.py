@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pipelines.core.errors import VitpipeError
+from pipelines.core.uris import Unprinted
 from pipelines.training.hooks import DRIVER_INPUTS, Batches, LoopHooks, Window, write_best
 from pipelines.training.recipe import LoopSettings
 from pipelines.training.step import (
@@ -71,6 +72,8 @@ def _start(config: dict[str, Any], hooks: LoopHooks) -> _Run:
 
     config = dict(config)
     inputs = config.pop(DRIVER_INPUTS, None) or {}
+    if isinstance(config.get("tracking_uri"), Unprinted):
+        config["tracking_uri"] = config["tracking_uri"].value
     s = hooks.settings_model.model_validate(config)
     ctx = ray.train.get_context()
     storage = ctx.get_storage()  # DeveloperAPI: the RunConfig's filesystem and run path

@@ -176,7 +176,8 @@ class TrainRecipe(StepRecipe, Workers, Recorded):
         """What every worker receives: every field this config shares with `LoopSettings`, then the stage's
         own (`specific`: model, overrides, starting checkpoint, ...).
 
-        No credentials go in: Ray exports the settings to its state API.
+        No credentials go in: Ray exports the settings to its state API. The tracking URI, which may hold
+        a password, is hidden from it by `build_trainer`.
         """
         threads = self.torch_threads
         if threads is None and not self.use_gpu:  # the CPUs the worker reserved, not every core of its node

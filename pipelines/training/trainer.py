@@ -18,6 +18,7 @@ from typing import Any
 import vit
 from pipelines.core import registry, storage, tracking
 from pipelines.core.errors import VitpipeError, error_line, find_vitpipe_error
+from pipelines.core.uris import Unprinted
 from pipelines.training.hooks import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, LoopHooks
 from pipelines.training.loop import train_loop_per_worker
 from pipelines.training.recipe import Workers
@@ -79,6 +80,8 @@ def build_trainer(
         options.preserve_order = True
         dataset_config = ray.train.DataConfig(execution_options=options)
     storage_path, filesystem = location
+    if loop_config.get("tracking_uri"):  # it may hold a password (http://user:pw@host)
+        loop_config = {**loop_config, "tracking_uri": Unprinted(loop_config["tracking_uri"])}
     return TorchTrainer(
         functools.partial(train_loop_per_worker, hooks=hooks or LoopHooks()),
         train_loop_config=loop_config,
