@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from pipelines.core.errors import VitpipeError
+from pipelines.core.logfile import redact_argv
 from pipelines.core.uris import strip_userinfo
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +96,17 @@ def check_env(env: Mapping[str, str], where: str) -> dict[str, str]:
     return {str(name): str(value) for name, value in env.items()}
 
 
+def check_command(command: Sequence[str]) -> list[str]:
+    """`command` (a job's vitpipe arguments), refused in one line if an argument carries `user:password@`
+    or sets a credential: Ray keeps the entrypoint and shows it to anyone who lists jobs."""
+    command = list(map(str, command))
+    for arg, shown in zip(command, redact_argv(command)):
+        if shown != arg:
+            raise JobError(f"job argument {shown} carries a credential; jobs never carry credentials "
+                           "(use MLflow's or the server's own auth, an instance role or a secret on the cluster)")
+    return command
+
+
 def parse_env(pairs: Sequence[str]) -> dict[str, str]:
     """`--env KEY=VALUE` options as a dict (checked by `check_env`)."""
     env = {}
@@ -137,7 +149,11 @@ def job_runtime_env(extra: Mapping[str, Any] | None = None, env: Mapping[str, st
 
 def check_tracking_uri(uri: str | None, where: str) -> str:
     """`uri` (the spec's, else the job's MLFLOW_TRACKING_URI), refused for a pipeline submitted from `where` when
-    the job would write it into its throwaway working directory: none given, or a relative local path."""
+    the job would write it into its throwaway working directory (none given, or a relative local path), or
+    when it carries a password (the spec is uploaded with the job)."""
+    if uri and strip_userinfo(uri) != uri:
+        raise JobError(f"{where}: tracking URI {strip_userinfo(uri)} carries user:password@; jobs never carry "
+                       "credentials (use MLflow's or the server's own auth on the cluster)")
     if not uri:
         raise JobError(f"{where}: no tracking URI: set tracking_uri in the spec or MLFLOW_TRACKING_URI "
                        "(an MLflow server, e.g. http://MLFLOW:5000); on a cluster the default sqlite:///mlflow.db "
@@ -152,10 +168,10 @@ def check_tracking_uri(uri: str | None, where: str) -> str:
 def submit(address: str, command: Sequence[str], *, job_id: str | None = None,
            runtime_env: Mapping[str, Any] | None = None) -> str:
     """Submit `vitpipe <command...>` as a Ray job in `runtime_env` (see `job_runtime_env`); returns the job id."""
+    # `python -m pipelines.cli` runs the uploaded code, whatever vitpipe the head node has installed.
+    entrypoint = shlex.join(["python", "-m", "pipelines.cli", *check_command(command)])
     client = _client(address)
     runtime_env = dict(runtime_env) if runtime_env is not None else job_runtime_env()
-    # `python -m pipelines.cli` runs the uploaded code, whatever vitpipe the head node has installed.
-    entrypoint = shlex.join(["python", "-m", "pipelines.cli", *command])
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:

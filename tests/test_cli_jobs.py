@@ -68,3 +68,44 @@ def test_a_relative_sqlite_tracking_uri_is_refused_for_a_cluster(tracked_spec) -
     assert result.exit_code == 1
     [line] = result.output.strip().splitlines()
     assert "tracking URI sqlite:///mlflow.db is a relative path" in line
+
+
+def test_a_set_carrying_a_password_is_refused_before_it_reaches_the_jobs_entrypoint(tracked_spec) -> None:
+    result = CliRunner().invoke(app, ["submit", str(tracked_spec), "--address", "http://127.0.0.1:9",
+                                      "--set", "tracking_uri=http://bob:hunter2@mlflow:5000"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert "tracking URI http://mlflow:5000 carries user:password@; jobs never carry credentials" in line
+    assert "hunter2" not in result.output
+
+
+def test_a_stage_argument_carrying_a_password_is_refused_before_submitting(tmp_path) -> None:
+    path = tmp_path / "evaluate.yaml"
+    path.write_text(yaml.safe_dump({"data": str(tmp_path / "shards"), "init": "0" * 32,
+                                    "tracking_uri": "http://127.0.0.1:9"}))
+    result = CliRunner().invoke(app, ["stage", "evaluate", str(path), "--address", "http://127.0.0.1:9",
+                                      "--set", "endpoint_url=http://bob:hunter2@minio:9000"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert "job argument endpoint_url=http://minio:9000 carries a credential" in line
+    assert "hunter2" not in result.output
+
+
+def test_a_stage_config_without_a_tracking_uri_is_refused_before_submitting(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = tmp_path / "evaluate.yaml"
+    path.write_text(yaml.safe_dump({"data": str(tmp_path / "shards"), "init": "0" * 32}))
+    result = CliRunner().invoke(app, ["stage", "evaluate", str(path), "--address", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert f"config {path}: no tracking URI" in line
+
+
+def test_a_bad_stage_config_is_refused_before_submitting(tmp_path) -> None:
+    path = tmp_path / "evaluate.yaml"
+    path.write_text(yaml.safe_dump({"data": str(tmp_path / "shards"), "init": "0" * 32, "shots": [],
+                                    "tracking_uri": "http://127.0.0.1:9"}))
+    result = CliRunner().invoke(app, ["stage", "evaluate", str(path), "--address", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert "evaluate config: shots is empty" in line
