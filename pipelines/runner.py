@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.core import tracking
-from pipelines.core.errors import VitpipeError
+from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
 from pipelines.spec import PipelineSpec
@@ -103,8 +103,12 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     result = PipelineResult(spec.name, _start_pipeline_run(client, spec), tracking_uri)
     context = _Context(spec, client, result, ray_address)
     pipeline = context.pipeline
-    for name in spec.order():
-        pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
+    try:
+        for name in spec.order():
+            pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
+    except BaseException:  # Ctrl-C, or the driver's own failure: the pipeline run must not stay RUNNING
+        tracking.end_run(client, pipeline.run_id, False)
+        raise
     summary = [vars(row) for row in pipeline.rows]
     tracking.log_dict_artifact(client, pipeline.run_id, {"stages": summary}, "summary.json")
     client.log_text(pipeline.run_id, pipeline.table() + "\n", "summary.txt")
@@ -155,8 +159,9 @@ def _stage_row(context: _Context, name: str, forced: str) -> StageRow:
         upstream = ",".join(f"{up}={runs[up]}" for up in spec.upstream(name))
         tracking.set_tags(context.client, run_id,
                           {TAG_STAGE_NAME: name, **({TAG_UPSTREAM: upstream} if upstream else {})})
-    except (VitpipeError, ValueError) as err:
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    except Exception as err:  # noqa: BLE001  (one stage's failure, whatever it is, must not stop the others)
+        known = isinstance(err, (VitpipeError, ValueError))  # already one line naming the thing
+        message = (str(err).splitlines() or [type(err).__name__])[0] if known else error_line(err)
         logger.error("stage %s failed: %s", name, message)
         logger.debug("stage %s failed", name, exc_info=True)  # the traceback goes to the command's log file
         return StageRow(name, kind, "failed", time.monotonic() - start, error=message)

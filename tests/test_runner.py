@@ -9,6 +9,7 @@ pretrain stage; a third is killed mid-pretrain and run again.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+
+import vit
 
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
@@ -145,6 +148,27 @@ def test_a_failing_stage_stops_its_dependents_and_keeps_finished_outputs(ray_clu
     assert (tmp_path / "work" / "data" / "corpus" / "manifest.json").exists()
     client = MlflowClient(spec.resolved_tracking_uri())
     assert client.get_run(result.run_id).info.status == "FAILED"
+
+
+def test_an_unexpected_error_fails_its_stage_alone_and_the_others_still_run(ray_cluster, corpus, tmp_path):
+    from pipelines.image.ingest import IngestConfig, run_ingest
+
+    # Few-shot evaluation of a damaged shard: pyarrow raises in the driver, not a vitpipe error.
+    data = run_ingest(IngestConfig(source=str(corpus), output=str(tmp_path / "damaged"), image_size=16,
+                                   patch_size=4, val_fraction=0.2, test_fraction=0.2)).output
+    for shard in Path(data, "shards").glob("*.parquet"):
+        raw = shard.read_bytes()
+        shard.write_bytes(raw[:64] + bytes(len(raw) // 2 - 64) + raw[len(raw) // 2:])
+    vit.save_checkpoint(vit.create_model("ViT-Ti/16", image_size=16, patch_size=4, **TINY), tmp_path / "ckpt")
+    path = write_spec(tmp_path, corpus, only=("corpus",))
+    spec = yaml.safe_load(path.read_text())
+    spec["stages"] = {"fewshot": {"kind": "evaluate", "data": data, "init": str(tmp_path / "ckpt"), "shots": [1]},
+                      **spec["stages"]}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = run_pipeline(load_spec(path))
+    assert [(r.stage, r.status) for r in result.rows] == [("fewshot", "failed"), ("corpus", "done")]
+    assert re.match(r"\w+(Error|Exception): ", result.rows[0].error), result.rows[0].error
+    assert MlflowClient(load_spec(path).resolved_tracking_uri()).get_run(result.run_id).info.status == "FAILED"
 
 
 def test_the_fine_tune_trials_are_nested_below_the_fine_tune_stage(runs):

@@ -104,5 +104,8 @@ def error_line(error: object) -> str:
     if inner:
         kind, message = inner[-1]
         return f"{kind.rsplit('.', 1)[-1]}: {' '.join(message.split())}"[:300]
-    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    return " ".join(first.split())[:300]
+    first = " ".join((text.strip().splitlines() or [""])[0].split())
+    kind = type(error).__name__
+    if isinstance(error, BaseException) and not kind.startswith(_WRAPPERS):  # raised here, not wrapped by Ray
+        return f"{kind}: {first}"[:300] if first else kind
+    return (first or kind)[:300]
