@@ -256,6 +256,7 @@ def test_data_that_is_not_a_video_ingest_output_is_refused(tmp_path):
         ({"warmup_steps": 10, "steps": 10}, "warmup_steps (10) must be smaller than steps (10)"),
         ({"backbone": "ViT-Q/16", "init": None}, "backbone 'ViT-Q/16'"),
         ({"learning_rate": 0.1}, "learning_rate"),
+        ({"registry_model": "team/vtn"}, "registry_model 'team/vtn': a registered model's name cannot contain '/'"),
     ],
 )
 def test_bad_config_is_a_one_line_error(tmp_path, change, words):

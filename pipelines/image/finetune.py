@@ -30,13 +30,13 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
-from pipelines.core.shards import read_manifest
+from pipelines.core.registry import RegistryName
+from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
 from pipelines.core.storage import S3Settings
 from pipelines.image.finetune_data import DataSpec, raw_bytes
-from pipelines.core.shards import num_classes
 from pipelines.image.finetune_results import report_sweep
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
@@ -95,7 +95,7 @@ class FinetuneConfig(Recipe, OptimizerChoice, Workers, Recorded):
     trial_driver_cpus: float = Field(0.25, ge=0)  # the Tune function that waits on each trial's Train run
     ray_data_cpus: float = Field(1.0, ge=0)  # CPUs kept free of trials so Ray Data can feed them
     # Where things go (run records: `Recorded`).
-    registry_model: str | None = None  # register the best model as a new version of this name
+    registry_model: RegistryName = None  # register the best model as a new version of this name
     keep_checkpoints: int = Field(1, gt=0)  # per trial
     max_failures: int = Field(0, ge=-1)  # Ray Train restarts per trial (a diverged trial fails at once anyway)
 

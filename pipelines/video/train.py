@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 import vit
 from pipelines.core import tracking
-from pipelines.core.registry import Score, register
+from pipelines.core.registry import RegistryName, Score, register
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
@@ -110,7 +110,7 @@ class VideoTrainConfig(TrainRecipe):
     eval_shuffled: bool = False  # also evaluate on frames in random order
     eval_limit: int | None = Field(None, gt=0)  # evaluate at most this many videos
     attention_videos: int = Field(4, ge=0)  # videos in the [CLS] attention picture
-    registry_model: str | None = None  # register the final model as a new version of this name
+    registry_model: RegistryName = None  # register the final model as a new version of this name
 
     @field_validator("eval_modes")
     @classmethod
