@@ -64,6 +64,12 @@ def test_support_sets_hold_k_distinct_images_of_every_class():
     assert np.bincount(labels[picks]).tolist() == [5, 5, 5, 5]
 
 
+def test_support_comes_only_from_the_classes_there_are_when_labels_skip_ids():
+    labels = np.repeat([3, 4], 6)  # a label manifest's ids 3 and 4: ids 0-2 have no images
+    picks = sample_support(labels, 2, np.random.default_rng(0), {3: "3", 4: "4"})
+    assert sorted(labels[picks].tolist()) == [3, 3, 4, 4]
+
+
 def test_asking_for_more_shots_than_a_class_has_names_the_class():
     labels = np.array([0, 0, 0, 1, 1])
     with pytest.raises(ValueError, match=r"shots: 3-shot needs 3 support images of every class; class 'one' has 2"):
