@@ -108,6 +108,17 @@ def test_run_identity_ignores_where_it_is_recorded_but_sees_data_and_recipe():
     assert run_identity(config(), {**MANIFEST, "content_hash": "sha256:other"}) != base
 
 
+def test_run_identity_ignores_how_fast_it_runs_and_how_many_checkpoints_it_keeps():
+    # A run interrupted and restarted with other threads resumes: it is the same run.
+    assert run_identity(config(torch_threads=3, keep_last=9), MANIFEST) == run_identity(config(), MANIFEST)
+
+
+def test_fields_left_out_of_the_identity_later_stay_in_it_at_their_old_defaults():
+    # Runs recorded while torch_threads and keep_last counted keep their identity, so they are still reused.
+    identity = run_identity(config(torch_threads=3, keep_last=9), MANIFEST)
+    assert (identity["torch_threads"], identity["keep_last"]) == (None, 2)
+
+
 def test_worker_settings_carry_no_endpoint_or_credentials():
     c = config(storage="s3://bucket/runs", endpoint_url="http://127.0.0.1:9000")
     settings = loop_settings(c, model_overrides(c, MANIFEST), has_val=True, run_id="r", tracking_uri="sqlite:///m.db")

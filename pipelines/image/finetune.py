@@ -40,7 +40,7 @@ from pipelines.image.finetune_data import DataSpec, raw_bytes
 from pipelines.image.finetune_results import report_sweep
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
-from pipelines.training.recipe import OptimizerChoice, Recipe, Recorded, Workers, shared_fields
+from pipelines.training.recipe import RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, shared_fields
 from pipelines.training.starting_weights import ARCH_FIELDS, StartingWeights, fetch_starting_weights, init_kind
 from pipelines.training.trainer import stage_init, storage_location
 
@@ -50,11 +50,10 @@ METRICS = {"val_top1": "max", "val_loss": "min", "train_loss": "min"}
 TAG_PRETRAIN_RUN = "vitpipe.pretrain_run_id"
 TAG_MANIFEST = "vitpipe.manifest_hash"
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
-NOT_IDENTITY = {
-    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
-    "max_concurrent_trials", "ray_data_cpus", "trial_driver_cpus", "torch_threads", "compile",  # how fast
+NOT_IDENTITY = RECIPE_NOT_IDENTITY | {
+    "max_concurrent_trials", "ray_data_cpus", "trial_driver_cpus",  # how fast
     "train_data", "memory_limit_mb",  # how rows reach the trials (in memory or streamed), not which rows
-    "max_failures", "keep_checkpoints",  # how trials are retried and how many checkpoints they keep
+    "keep_checkpoints",  # how many checkpoints trials keep
 }
 _DEFAULT_SPACE = {"lr": {"grid": [0.001, 0.003, 0.01, 0.03]}, "steps": 500}
 

@@ -38,7 +38,7 @@ from pipelines.image.mae_hooks import MAEHooks, MAEOptions
 from pipelines.image.reconstruction import log_reconstruction_picture
 from pipelines.training.augment import augment_patch_batches
 from pipelines.training.hooks import LoopHooks
-from pipelines.training.recipe import AugmentConfig, LoopSettings, TrainRecipe
+from pipelines.training.recipe import TRAIN_NOT_IDENTITY, AugmentConfig, LoopSettings, TrainRecipe, pinned_identity
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, storage_location
 from pipelines.training.worker import Worker
 
@@ -50,12 +50,9 @@ LATER_FIELDS = {"augment_on": "cpu", "objective": "supervised", "mask_ratio": 0.
 MAE_RECIPE = {"betas": (0.9, 0.95), "weight_decay": 0.05, "schedule": "cosine"}
 MAE_BASE_LR = 1.5e-4  # per 256 images of global batch: lr = base × global batch / 256
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
-NOT_IDENTITY = {
-    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
-    "ingest_run_id",  # lineage only: the data's content hash is in the identity
-    "max_failures",  # how often a worker group is retried
-    "compile",  # how fast: a compiled step trains the same weights
-}
+NOT_IDENTITY = TRAIN_NOT_IDENTITY
+# Left out of the identity later: held at their defaults in it (`pinned_identity`).
+PINNED = ("torch_threads", "keep_last")
 
 
 class PretrainConfig(TrainRecipe):
@@ -183,7 +180,7 @@ def loop_settings(
 def run_identity(config: PretrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
     """The part of a config (plus the data's content hash) that decides what is trained: a function of the
     config and the manifest only, so it is known before anything runs."""
-    tree = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
+    tree = pinned_identity(tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY)), config, PINNED)
     for name, default in LATER_FIELDS.items():
         if tree.get(name) == default:
             del tree[name]

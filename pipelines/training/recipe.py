@@ -101,6 +101,20 @@ class Recorded(BaseModel):
     parent_run_id: str | None = None
 
 
+# Fields of these groups that do not change what a run trains, so they stay out of its identity: where it
+# is recorded, how often it is retried, how fast it runs. Each stage adds its own (`NOT_IDENTITY`).
+RECIPE_NOT_IDENTITY = frozenset({"tracking_uri", "experiment", "parent_run_id", "max_failures", "torch_threads",
+                                 "compile"})
+# `TrainRecipe`'s: how many checkpoints are kept, and the ingest run (lineage: the data's hash is in the identity).
+TRAIN_NOT_IDENTITY = RECIPE_NOT_IDENTITY | {"keep_last", "ingest_run_id"}
+
+
+def pinned_identity(tree: dict[str, Any], config: BaseModel, pinned: tuple[str, ...]) -> dict[str, Any]:
+    """`tree` with the `pinned` fields at their defaults, whatever `config` says: fields that counted in the
+    identity of runs recorded before they were left out, so that those runs keep their identity."""
+    return {**tree, **{name: type(config).model_fields[name].default for name in pinned}}
+
+
 def shared_fields(source: BaseModel, target: type[BaseModel], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The values of `source`'s fields that `target` also declares (minus `exclude`)."""
     names = (type(source).model_fields.keys() & target.model_fields.keys()) - set(exclude)

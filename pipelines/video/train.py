@@ -47,7 +47,7 @@ from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
-from pipelines.training.recipe import TrainRecipe
+from pipelines.training.recipe import TRAIN_NOT_IDENTITY, TrainRecipe, pinned_identity
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
 from pipelines.video.loop_hooks import ClipHooks, FeatureHooks
 from pipelines.core.shards import class_names
@@ -69,13 +69,8 @@ TAG_BACKBONE_RUN = "vitpipe.backbone_run_id"
 MODES = ("full_video", "multiview")
 # Fields that do not change what is trained and evaluated, so they stay out of the run identity; every other
 # field is in it.
-NOT_IDENTITY = {
-    "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
-    "ingest_run_id",  # lineage only: the data's content hash is in the identity
-    "registry_model",  # where the finished model is registered
-    "max_failures",  # how often a worker group is retried
-    "torch_threads", "compile",  # how fast: a compiled step trains the same weights
-}
+NOT_IDENTITY = TRAIN_NOT_IDENTITY | {"registry_model"}  # + where the finished model is registered
+PINNED = ("keep_last",)  # left out of the identity later: held at its default in it (`pinned_identity`)
 
 
 class VideoTrainConfig(TrainRecipe):
@@ -155,7 +150,7 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: An
 def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
     """The part of a config (plus the data's content hash) that decides what is trained and evaluated; known
     before anything runs."""
-    tree = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
+    tree = pinned_identity(tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY)), config, PINNED)
     tree["data_content_hash"] = manifest_digest(manifest)
     return tree
 
