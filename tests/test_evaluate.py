@@ -79,7 +79,8 @@ def test_asking_for_more_shots_than_a_class_has_names_the_class():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [({"shots": []}, r"evaluate config: shots is empty"), ({"shots": [5, 0]}, r"shots must be positive, got 0"),
-     ({"l2_reg": 0}, r"evaluate config: l2_reg: Input should be greater than 0")],
+     ({"l2_reg": 0}, r"evaluate config: l2_reg: Input should be greater than 0"),
+     ({"support_split": "val", "query_split": "val"}, r"support_split and query_split are both 'val'")],
 )
 def test_bad_config_is_one_line_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import vit
 from pipelines.core import tracking
@@ -76,6 +76,13 @@ class EvaluateConfig(BaseModel):
         if bad:
             raise ValueError(f"shots must be positive, got {bad[0]}")
         return sorted(set(value))
+
+    @model_validator(mode="after")
+    def _distinct_splits(self) -> EvaluateConfig:
+        if self.support_split == self.query_split:  # its support images would be scored as queries too
+            raise ValueError(f"support_split and query_split are both {self.query_split!r}: the few-shot "
+                             "support must come from another split than the images it is scored on")
+        return self
 
 
 class EvaluateResult(BaseModel):
