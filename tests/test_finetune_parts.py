@@ -169,6 +169,7 @@ def test_the_defaults_are_the_papers_fine_tuning_recipe():
         ({"init": None}, r"model: required when training from scratch"),
         ({"batch_size": 30, "num_workers": 4}, r"batch_size 30 is not a multiple of num_workers 4"),
         ({"reduction_factor": 1}, r"finetune config: reduction_factor: Input should be greater than 1"),
+        ({"registry_model": "team/vit"}, r"registry_model 'team/vit': a registered model's name cannot contain '/'"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_field(fields, message):
