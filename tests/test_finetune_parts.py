@@ -184,6 +184,7 @@ def test_init_strings_are_classified_without_touching_anything(tmp_path):
     assert init_kind("runs:/abc/checkpoints/final") == init_kind("a" * 32) == "run"
     assert init_kind("models:/digits/3") == "registry"
     assert init_kind("s3://bucket/ckpt") == init_kind(str(tmp_path / "ckpt")) == "checkpoint"
+    assert init_kind("s3a://bucket/ckpt") == init_kind("S3://bucket/ckpt") == "checkpoint"  # as parse_uri reads them
     assert init_kind(str(tmp_path / "vit_base.safetensors")) == "foreign"
 
 

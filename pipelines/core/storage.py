@@ -72,7 +72,7 @@ def parse_uri(uri: str) -> Location:
     scheme = parts.scheme.lower()
     if scheme == "file":
         return Location("file", "", os.path.abspath(parts.path or "/"))
-    if scheme not in ("s3", "s3a"):
+    if not is_s3_uri(uri):
         raise ValueError(f"{uri}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
     if "@" in parts.netloc:
         raise ValueError(f"{strip_userinfo(uri)}: credentials in the URI are refused; use the AWS environment or profile")
@@ -80,6 +80,11 @@ def parse_uri(uri: str) -> Location:
     if not _BUCKET_RE.match(bucket):
         raise ValueError(f"{uri}: {bucket!r} is not a valid bucket name")
     return Location("s3", bucket, parts.path.strip("/"))
+
+
+def is_s3_uri(uri: str) -> bool:
+    """Whether `uri` names S3 storage as `parse_uri` reads it: `s3://` or Hadoop's `s3a://`, in any case."""
+    return "://" in uri and urlsplit(uri.strip()).scheme.lower() in ("s3", "s3a")
 
 
 def join_key(*parts: str) -> str:

@@ -29,7 +29,7 @@ from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
-from pipelines.core.storage import S3Settings, open_store
+from pipelines.core.storage import S3Settings, is_s3_uri, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.finetune_data import DataSpec, decode_batch, iter_rows
 from pipelines.image.frozen_model import load_frozen_model
@@ -279,7 +279,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
         if run.finished:
             return _result_from_run(client, run.run_id, reused=True)
         run.log_config({**config.model_dump(mode="json"), "resolution": size})
-        settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
+        settings = S3Settings.resolve(config.endpoint_url) if is_s3_uri(config.data) else None
         data = DataSpec(config.data, manifest, settings)
         table = few_shot_table(vit.at_resolution(start.model, size, 0), data, config, size)
         _log_table(client, run.run_id, table, len(manifest["classes"]))

@@ -35,7 +35,7 @@ from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
-from pipelines.core.storage import S3Settings
+from pipelines.core.storage import S3Settings, is_s3_uri
 from pipelines.image.finetune_data import DataSpec, raw_bytes
 from pipelines.image.finetune_results import report_sweep
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
@@ -185,7 +185,7 @@ def check_resolutions(config: FinetuneConfig, model: Any, manifest: dict[str, An
 def training_data(config: FinetuneConfig, manifest: dict[str, Any]) -> tuple[Any, bool, int]:
     """The trials' data spec, whether training rows fit in memory, and the global batch size."""
     has_val = int(manifest.get("counts", {}).get("val", 0)) > 0
-    settings = S3Settings.resolve(config.endpoint_url) if config.data.startswith("s3://") else None
+    settings = S3Settings.resolve(config.endpoint_url) if is_s3_uri(config.data) else None
     data = DataSpec(config.data, manifest, settings, 0.0 if has_val else config.holdout_fraction)
     in_memory = config.train_data == "memory" or (config.train_data == "auto" and raw_bytes(data) <= config.memory_limit_mb * 2**20)
     train_images = int(manifest["counts"]["train"] * (1 if has_val else 1 - config.holdout_fraction))

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import vit
 from pipelines.core.registry import CHECKPOINT_FILES, MODEL_CHECKPOINT, download_checkpoint
-from pipelines.core.storage import open_store
+from pipelines.core.storage import is_s3_uri, open_store
 from pipelines.core.uris import strip_userinfo
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
@@ -62,7 +62,7 @@ def init_kind(init: str | None) -> Kind:
         return "run"
     if init.startswith("models:/"):
         return "registry"
-    if init.startswith("s3://"):
+    if is_s3_uri(init):
         return "checkpoint"
     path = Path(init.removeprefix("file://"))
     return "checkpoint" if path.is_dir() and _is_project_checkpoint(path) else "foreign"
