@@ -95,6 +95,16 @@ def test_params_are_flattened_without_credentials_and_relogging_is_accepted(clie
     assert params == {"lr": "0.001", "model_overrides.depth": "2", "betas": "[0.9, 0.999]"}
 
 
+def test_a_param_logged_again_with_another_value_keeps_the_first_and_tags_the_latest(client, exp):
+    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    tracking.log_params(client, run_id, {"lr": 0.001, "max_failures": 2})
+    tracking.log_params(client, run_id, {"lr": 0.001, "max_failures": 5})  # resumed with another retry count
+    run = client.get_run(run_id)
+    assert run.data.params == {"lr": "0.001", "max_failures": "2"}
+    assert {k: v for k, v in run.data.tags.items() if k.startswith(tracking.TAG_LATEST)} == {
+        f"{tracking.TAG_LATEST}max_failures": "5"}
+
+
 def test_metric_buffer_sends_nothing_until_flushed_then_everything(client, exp):
     run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
     buffer = tracking.MetricBuffer(client, run_id)

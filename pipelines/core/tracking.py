@@ -31,6 +31,7 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 TAG_STAGE = "vitpipe.stage"
 TAG_CONFIG_HASH = "vitpipe.config_hash"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_LATEST = "vitpipe.latest."  # + a param's key: the value a run logged again last ran with (params never change)
 # The experiment's kind for MLflow 3's UI: model training, its `ExperimentKind.CUSTOM_MODEL_DEVELOPMENT`.
 # MLflow 3.17's UI shows the kind its GenAI / Model training switch names instead (the address's
 # `?workflowType=machine_learning`, else the browser's last choice, GenAI at first), so the links vitpipe
@@ -198,14 +199,19 @@ def start_stage_run(
 def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> None:
     """Log a config tree as flattened params, credentials removed.
 
-    Re-logging the same values on a resumed run is accepted by MLflow; a
-    changed value would raise, which is right: a resumed run must keep its config.
+    A run logged again (a resumed execution, a PBT trial's next segment) keeps the params it has:
+    MLflow never changes a param. A value that differs from the logged one (another `max_failures`
+    on resume, an explored `lr`) is set as the tag `vitpipe.latest.<key>`, so the run shows what
+    it last ran with.
     """
-    params = [Param(k, v) for k, v in sorted(flatten(redact(config)).items())]
+    params = [Param(k, str(v)) for k, v in sorted(flatten(redact(config)).items())]
     existing = client.get_run(run_id).data.params
+    changed = {f"{TAG_LATEST}{p.key}": p.value for p in params if p.key in existing and existing[p.key] != p.value}
     params = [p for p in params if p.key not in existing]
     for i in range(0, len(params), _PARAM_BATCH):
         client.log_batch(run_id, params=params[i : i + _PARAM_BATCH])
+    if changed:
+        set_tags(client, run_id, changed)
 
 
 def set_tags(client: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
