@@ -2,14 +2,10 @@
 written; a rerun finishes with every video's features exactly once and rewrites only the shards that were not
 finished (the driver writes each feature shard, so killing it stops the writes mid-run).
 
-The stage runs as a user runs it, a subprocess on the session's Ray cluster (`--address`). Two settings make
-a small corpus behave as a large one does:
-
-* Ray Data packs Parquet files into read tasks of up to 128 MiB (`RAY_DATA_PARQUET_BIN_PACKING_BYTES`), and
-  the actor pool hands a task's rows back together, so feature shards land one read task at a time. A corpus
-  of many GiB has many read tasks; this 27 MiB one gets one per video shard from a 3 MiB bin size.
-* The backbone is ViT-Ti/16 at 128×128 frames (untrained: the stage does not care what the weights learned),
-  so each read task takes a few tenths of a second on one CPU and the kill lands between shards.
+The stage runs as a user runs it, a subprocess on the session's Ray cluster (`--address`). The stage reads
+one source shard per Ray Data task, so feature shards land one by one; the backbone is ViT-Ti/16 at 128×128
+frames (untrained: the stage does not care what the weights learned), so each shard takes a few tenths of a
+second on one CPU and the kill lands between shards.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from tests.video_fixtures import write_video_shards
 REPO = Path(__file__).resolve().parents[1]
 VIDEOS, FRAMES, PER_SHARD, SIZE = 24, 24, 2, 128  # 12 shards of ~50 ViT-Ti/16 frames each
 KILL_AFTER = 3  # finished feature shards
-BIN_BYTES = 3 << 20  # one video shard (2 × 24 × 128 × 128 × 3 bytes ≈ 2.4 MB of frames) per Ray Data read task
 
 
 def _backbone(directory: Path) -> str:
@@ -60,9 +55,8 @@ def _config_file(tmp_path: Path) -> tuple[Path, Path, list[str]]:
 
 def _features(config: Path, ray_address: str, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipelines.cli", "video-features", str(config), "--address", ray_address]
-    env = {**os.environ, "RAY_DATA_PARQUET_BIN_PACKING_BYTES": str(BIN_BYTES)}
     with open(log, "ab") as sink:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+        return subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 

@@ -297,7 +297,9 @@ def _embedded_batches(work: _Work, filesystem: Any, paths: list[str]) -> Any:
     config, manifest = work.config, work.manifest
     layout = {k: manifest[k] for k in ("patch_size", "image_size", "grid", "num_patches", "patch_dim")}
     columns = ["patches", "key", "split", *(["label"] if work.labeled else [])]
-    ds = ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True).select_columns([*columns, "path"])
+    # One read task per shard, so each embedding shard is written (and kept past a kill) as soon as its rows are in.
+    ds = ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True, override_num_blocks=len(paths))
+    ds = ds.select_columns([*columns, "path"])
     ds = ds.map_batches(
         PooledFeatures,
         fn_constructor_kwargs=dict(model=[ray.put(work.model)], layout=layout, size=work.identity["resolution"],

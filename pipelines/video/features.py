@@ -257,7 +257,9 @@ def _feature_batches(config: VideoFeaturesConfig, initial: Any, bf16: bool, file
     import ray
     import ray.data
 
-    ds = (ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True)
+    # One read task per shard: Ray Data would pack up to 128 MiB of files into one, whose rows all come
+    # back together, so no feature shard could be written (nor kept past a kill) before that much was done.
+    ds = (ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True, override_num_blocks=len(paths))
           .select_columns([*video_shards.COLUMNS, "path"]))
     threads = max(1, round(config.cpus_per_worker))
     ds = ds.map_batches(
