@@ -38,7 +38,7 @@ from pydantic import (
 )
 
 from pipelines.core.errors import VitpipeError
-from pipelines.core.stage_config import parse_overrides
+from pipelines.core.stage_config import parse_overrides, yaml_syntax_error
 from pipelines.core.storage import parse_uri
 from pipelines.core.tracking import resolve_tracking_uri
 from pipelines.stages import KINDS, RUN, STAGES, Fill
@@ -349,9 +349,7 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Pi
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise SpecError(f"spec {source}: YAML syntax error{at}: {getattr(err, 'problem', None) or err}") from None
+        raise SpecError(f"spec {source}: {yaml_syntax_error(err)}") from None
     return parse_spec(data, source, overrides)
 
 

@@ -21,6 +21,15 @@ def test_a_missing_config_file_is_named(tmp_path) -> None:
     assert f"finetune config {missing} does not exist" in result.output
 
 
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_file_and_the_place(tmp_path) -> None:
+    spec = tmp_path / "pretrain.yaml"
+    spec.write_text("data: [unclosed\nsteps: 3\n")
+    result = CliRunner().invoke(app, ["pretrain", str(spec)])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"error: pretrain config {spec}: YAML syntax error at line 2, column 6: ")
+
+
 def test_set_without_equals_is_refused() -> None:
     result = CliRunner().invoke(app, ["evaluate", "x.yaml", "--set", "lr"])
     assert result.exit_code == 1

@@ -36,6 +36,13 @@ class DataToOutput(BaseModel):
             raise ValueError(f"output: {self.output} is the data's own location; {what} go elsewhere")
 
 
+def yaml_syntax_error(err: yaml.YAMLError) -> str:
+    """A YAML parse error as a few words with its place: `YAML syntax error at line 2, column 7: <problem>`."""
+    mark = getattr(err, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"YAML syntax error{at}: {getattr(err, 'problem', None) or err}"
+
+
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """`["lr=0.1", "model=ViT-S/16"]` -> `{"lr": 0.1, "model": "ViT-S/16"}` (values parsed as JSON when they can be)."""
     overrides: dict[str, Any] = {}
@@ -60,7 +67,10 @@ def load_stage_config(
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"{stage} config {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{stage} config {path}: {yaml_syntax_error(err)}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{stage} config {path} must be a mapping, got {type(data).__name__}")
     data.update(overrides)
