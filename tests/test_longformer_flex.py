@@ -166,3 +166,43 @@ def test_auto_runs_flex_on_cuda_and_the_banded_kernel_on_cpu_or_with_dropout():
 def test_a_bad_kernel_choice_raises_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """The CUDA path's compiled kernel on CPU: the aot_eager backend traces and guards as inductor
+    would, without building C++; dynamo raises at its recompile limit instead of silently running
+    the unfused N×N reference."""
+    torch._dynamo.reset()
+    flex_longformer._compiled_flex.cache_clear()
+    monkeypatch.setattr(flex_longformer, "_flex",
+                        lambda device, variant=(): flex_longformer._compiled_flex(variant, backend="aot_eager"))
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+    flex_longformer._compiled_flex.cache_clear()
+    torch._dynamo.reset()
+
+
+def _flex_equals_dense(n, batch, window, dilation, globals_, padding, seed=0):
+    (q, k, v), kw = make_case(n, globals_=globals_, padding=padding, seed=seed)
+    q, k, v = q[:batch], k[:batch], v[:batch]
+    kw = {name: (tuple(t[:batch] for t in x) if isinstance(x, tuple) else x[:batch]) for name, x in kw.items()}
+    got = sliding_window_attention(q, k, v, window=window, dilation=dilation, kernel="flex", **kw)
+    want = dense_reference(q, k, v, window=window, dilation=dilation, **kw)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0, msg=f"n={n} batch={batch} window={window}")
+
+
+def test_the_compiled_kernel_takes_new_lengths_batches_and_windows_without_reaching_dynamos_limit(compiled_on_cpu):
+    # 12 lengths over 1 to 10 query blocks, past dynamo's 8 entries: each must neither recompile
+    # per length nor fall back to the N×N reference.
+    for i, n in enumerate((20, 50, 130, 200, 260, 300, 420, 555, 700, 900, 1100, 1300)):
+        _flex_equals_dense(n, batch=1 + i % 2, window=(4, 16, 64)[i % 3], dilation=2, globals_=True, padding=True)
+
+
+def test_each_kind_of_call_has_its_own_compiled_kernel_so_mixing_them_keeps_every_one_fused(compiled_on_cpu):
+    # Dilation, padding and global keys change the mask_mod's code: 8 kinds, each at two batch sizes.
+    for dilation in (1, 2):
+        for globals_ in (False, True):
+            for padding in (False, True):
+                for batch in (1, 2):
+                    _flex_equals_dense(300, batch, 16, dilation, globals_, padding)

@@ -18,14 +18,15 @@ hidden), on `(B, heads, N, head_dim)` tensors:
    the mask_mod checks class edges, the radius, padding and the global slots.
 
 FlexAttention has no attention dropout: this path is only taken when dropout is off. On CUDA the
-kernel is `torch.compile(flex_attention, dynamic=False)`, compiled once per shape; elsewhere the
-unfused reference (for tests).
+kernel is `flex_attention` compiled once per variant (`_compiled_flex`), its ints passed as tensors
+and its shapes dynamic, so new lengths do not recompile; elsewhere the unfused reference (for tests).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
@@ -59,14 +60,29 @@ def choose_kernel(kernel: str, device: torch.device, dropout_p: float) -> str:
     return kernel
 
 
+def _call_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: BlockMask | None = None,
+               scale: float | None = None) -> torch.Tensor:
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+
+
 @functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+def _compiled_flex(variant: tuple[bool, ...] = (), backend: str = "inductor"):
+    """`flex_attention` compiled for one variant of `flex_band_attention`'s calls.
+
+    Dynamo keeps its compiled entries, and its limit of 8 (past which it silently runs the unfused
+    reference that materialises N×N scores), per code object: each variant gets its own copy of
+    `_call_flex`'s code, so variants never share one budget. Shapes are left to automatic dynamic
+    (`dynamic=None`): one fixed shape keeps its static kernel, the first new shape compiles a
+    dynamic one that serves the rest."""
+    name = "_flex_" + "".join("1" if flag else "0" for flag in variant)
+    fn = types.FunctionType(_call_flex.__code__.replace(co_name=name), _call_flex.__globals__, name)
+    fn.__kwdefaults__, fn.__qualname__ = _call_flex.__kwdefaults__, name
+    return torch.compile(fn, dynamic=None, backend=backend)
 
 
-def _flex(device: torch.device):
+def _flex(device: torch.device, variant: tuple[bool, ...] = ()):
     # Compiling for CPU builds a C++ kernel for minutes; CPU only runs this path in tests.
-    return _compiled_flex() if device.type == "cuda" else flex_attention
+    return _compiled_flex(variant) if device.type == "cuda" else flex_attention
 
 
 def _layout(n: int, dilation: int) -> tuple[int, int]:
@@ -105,44 +121,52 @@ def _copies(query_blocks: int, group: int) -> int:
     return -(-query_blocks // group)
 
 
+@functools.lru_cache(maxsize=256)
+def _ints(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # The mask_mod's ints as one int32 tensor (the index dtype): dynamo lifts a tensor to a graph
+    # input instead of guarding on its value. One tensor: several, equal ones shared by this cache,
+    # would add guards on which of them alias.
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def _mask_mod(key_ok: torch.Tensor | None, n: int, radius: int, dilation: int, prefix: int,
-              global_pos: torch.Tensor | None, global_ok: torch.Tensor | None, group: int):
+              global_pos: torch.Tensor | None, global_ok: torch.Tensor | None, group: int, device: torch.device):
     """Key slots [0, copies·prefix) hold the copies of the global keys (`global_pos`/`global_ok`
     `(B, prefix)`): a query takes those of its group's copy outside its band. Slots past them are the
     regrouped sequence: same class, within the radius, and a usable key (`key_ok` `(B, padded)`; None:
-    no padding, so only the layout's filler slots are unusable)."""
+    no padding, so only the layout's filler slots are unusable).
 
+    Besides tensors the closures read only whether there is dilation, padding and a prefix (part of
+    `flex_band_attention`'s variant) and `group`, so one compiled kernel serves every length and radius."""
     m, padded = _layout(n, dilation)
+    dilated, span = dilation > 1, BLOCK * group
+    ints = _ints((n, m, radius, dilation, radius * dilation, prefix, _copies(padded // BLOCK, group) * prefix),
+                 device)
 
     # A gather per score is what made this kernel several times slower than a plain band on an H200:
-    # without padding, which slots are real keys is arithmetic, and with dilation 1 and whole blocks
-    # every slot is one.
-    def usable(b, j):
+    # without padding, which slots are real keys is arithmetic (undilated: the first n).
+    def band(b, q_idx, j, n_, m_, r_, d_):
+        near = (q_idx - j).abs() <= r_
+        if dilated:
+            near = near & (q_idx // m_ == j // m_)
         if key_ok is not None:
-            return key_ok[b, j]
-        if dilation == 1 and padded == n:
-            return j >= 0
-        return (j < m * dilation) & (_original_index(j, m, dilation) < n)
-
-    def band(b, q_idx, j):
-        near = (q_idx - j).abs() <= radius
-        if dilation > 1:
-            near = near & (q_idx // m == j // m)
-        return near & usable(b, j)
+            return near & key_ok[b, j]
+        return near & ((j < m_ * d_) & (_original_index(j, m_, d_) < n_) if dilated else j < n_)
 
     if not prefix:
-        return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx)
-
-    lead = _copies(padded // BLOCK, group) * prefix
+        return lambda b, h, q_idx, kv_idx: band(b, q_idx, kv_idx, *ints[:4].unbind())
 
     def mask_mod(b, h, q_idx, kv_idx):
+        n_, m_, r_, d_, rd_, prefix_, lead_ = ints.unbind()
         # Both branches are evaluated: clamped indices keep the unused one in bounds.
-        g = kv_idx.clamp(max=lead - 1) % prefix
-        own_copy = kv_idx // prefix == q_idx // (BLOCK * group)
-        offset = ((q_idx % m) * dilation + q_idx // m - global_pos[b, g]).abs()
-        outside = (offset > radius * dilation) | (offset % dilation != 0)
-        return torch.where(kv_idx < lead, own_copy & global_ok[b, g] & outside,
-                           band(b, q_idx, (kv_idx - lead).clamp(min=0)))
+        g = torch.minimum(kv_idx, lead_ - 1) % prefix_
+        own_copy = kv_idx // prefix_ == q_idx // span
+        # Undilated, slot = token for every real query (filler rows are discarded).
+        token = (q_idx % m_) * d_ + q_idx // m_ if dilated else q_idx
+        offset = (token - global_pos[b, g]).abs()
+        outside = (offset > rd_) | (offset % d_ != 0) if dilated else offset > rd_
+        return torch.where(kv_idx < lead_, own_copy & global_ok[b, g] & outside,
+                           band(b, q_idx, torch.clamp(kv_idx - lead_, min=0), n_, m_, r_, d_))
 
     return mask_mod
 
@@ -219,7 +243,7 @@ def band_block_mask(n: int, radius: int, dilation: int, key_ok: torch.Tensor, pa
                                               *(t[:, None] for t in _ordered(full)), BLOCK_SIZE=BLOCK,
                                               seq_lengths=(key_ok.shape[1], partial.shape[-1] * BLOCK))
     block_mask.mask_mod = _mask_mod(key_ok if padding else None, n, radius, dilation, prefix, global_pos, global_ok,
-                                    group)
+                                    group, key_ok.device)
     return block_mask
 
 
@@ -264,5 +288,7 @@ def flex_band_attention(
     else:
         global_pos = global_valid = None
     block_mask = band_block_mask(n, radius, dilation, key_ok, padding, global_pos, global_valid)
-    out = _flex(q.device)(qc, kc, vc, block_mask=block_mask, scale=scale)
+    # The mask_mod's code paths, and the sizes dynamo specializes when they are 1 (batch, query blocks).
+    variant = (dilation > 1, padding, global_pos is not None, bsz == 1, padded == BLOCK)
+    out = _flex(q.device, variant)(qc, kc, vc, block_mask=block_mask, scale=scale)
     return from_classes(out, n, dilation)
