@@ -147,6 +147,54 @@ def test_a_head_of_another_size_is_refused_unless_skipped(tmp_path):
     torch.testing.assert_close(ours.norm.weight.detach(), hf.vit.layernorm.weight.detach())
 
 
+def _tiny_vit(image_size, **overrides) -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(ViTConfig(image_size=image_size, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                                       mlp_dim=64, num_classes=3, **overrides))
+
+
+def _pos_table_with_rows_numbered(model: VisionTransformer) -> torch.Tensor:
+    with torch.no_grad():  # distinct, smooth rows: a misplaced row shows
+        model.pos_embed.copy_(torch.linspace(-1, 1, model.pos_embed.numel()).view_as(model.pos_embed))
+    return model.pos_embed.detach().clone()
+
+
+def test_a_class_token_checkpoint_on_a_24x40_grid_is_resampled_from_its_config_grid(tmp_path):
+    source = _tiny_vit((192, 320))  # 1 + 24*40 = 961 = 31^2 rows: a square guess would misread it
+    table = _pos_table_with_rows_numbered(source)
+    save_checkpoint(source, tmp_path)
+    target = _tiny_vit(224)
+    load_pretrained(target, tmp_path)
+    want = resample_pos_embed(table, (28, 28), num_prefix_tokens=1, old_grid=(24, 40))
+    torch.testing.assert_close(target.pos_embed.detach(), want)
+
+
+def test_a_table_of_as_many_rows_on_a_transposed_grid_is_resampled_not_copied(tmp_path):
+    source = _tiny_vit((192, 320))  # 24x40
+    table = _pos_table_with_rows_numbered(source)
+    save_checkpoint(source, tmp_path)
+    target = _tiny_vit((320, 192))  # 40x24: the same 961 rows
+    load_pretrained(target, tmp_path)
+    want = resample_pos_embed(table, (40, 24), num_prefix_tokens=1, old_grid=(24, 40))
+    torch.testing.assert_close(target.pos_embed.detach(), want)
+
+
+def test_a_position_table_whose_grid_cannot_be_told_raises_instead_of_guessing(tmp_path):
+    source = _tiny_vit((192, 320))
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"cannot tell the grid.*961 rows less 1 prefix token.*config\.json"):
+        load_pretrained(_tiny_vit(224), tmp_path)
+
+
+def test_a_config_json_whose_grid_does_not_fit_the_table_raises(tmp_path):
+    hf = hf_model(**HF_CONFIGS["p8-1ch"])  # a 3x3 grid
+    hf.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**meta, "image_size": 32}))  # says 4x4
+    with pytest.raises(ValueError, match=r"pos_embed has 10 rows, but .*config\.json gives a 4x4 grid"):
+        load_pretrained(ours_like(hf.config, image_size=40), tmp_path)
+
+
 # --- timm --------------------------------------------------------------------------------
 
 

@@ -154,24 +154,60 @@ def _from_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _adapt(sd: dict[str, torch.Tensor], model: VisionTransformer) -> dict[str, torch.Tensor]:
-    """Reshape conv patch projections and resample position embeddings to the model."""
+def _config_grid(path: Path) -> tuple[int, int] | None:
+    """The token grid the weights at `path` were trained on, from the `config.json` beside them
+    (ours: `{"arch": "vit", "config": ...}`; Hugging Face's: `image_size`, `patch_size`), or None."""
+    f = (path if path.is_dir() else path.parent) / CONFIG_FILE
+    if not f.is_file():
+        return None
+    try:
+        meta = json.loads(f.read_text())
+        if meta.get("arch") == "vit" and isinstance(meta.get("config"), dict):
+            return ViTConfig(**meta["config"]).grid
+        size, patch = meta.get("image_size"), meta.get("patch_size")
+        if size is None or not isinstance(patch, int) or patch <= 0:
+            return None
+        h, w = (size, size) if isinstance(size, int) else size
+        return h // patch, w // patch
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{f} does not describe the weights' image and patch size: {e}") from None
+
+
+def _source_layout(n: int, sd: dict[str, torch.Tensor], grid: tuple[int, int] | None) -> tuple[int, tuple[int, int]]:
+    """(prefix rows, grid) of a checkpoint's `n`-row position table. The prefix tokens are the
+    checkpoint's cls/dist tokens, the grid its config's; with no config, a square grid."""
+    tokens = int("cls_token" in sd) + int("dist_token" in sd)
+    if grid is not None:
+        rows = grid[0] * grid[1]
+        if n - rows not in (0, tokens):  # 0: tables without prefix rows (timm's no_embed_class)
+            raise ValueError(f"pos_embed has {n} rows, but the checkpoint's {CONFIG_FILE} gives a {grid[0]}x{grid[1]} "
+                             f"grid ({rows} rows) and it has {tokens} prefix token(s)")
+        return n - rows, grid
+    side = math.isqrt(max(n - tokens, 0))
+    if side * side != n - tokens:
+        raise ValueError(f"cannot tell the grid of the checkpoint's pos_embed: {n} rows less {tokens} prefix "
+                         f"token(s) is not a square, and no {CONFIG_FILE} beside the weights gives image_size and "
+                         "patch_size")
+    return tokens, (side, side)
+
+
+def _adapt(sd: dict[str, torch.Tensor], model: VisionTransformer,
+           grid: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Reshape conv patch projections and resample position embeddings to the model (`grid`: the
+    checkpoint's token grid when its config gives it)."""
     w = sd.get("patch_embed.proj.weight")
     if w is not None and w.ndim == 4:  # conv (D, C, P, P) -> Linear over (row, col, channel)
         sd["patch_embed.proj.weight"] = w.permute(0, 2, 3, 1).reshape(w.shape[0], -1)
     pos = sd.get("pos_embed")
     target = getattr(model, "pos_embed", None)
-    if pos is not None and isinstance(target, nn.Parameter) and pos.shape != target.shape:
-        n = pos.shape[1]
-        side = math.isqrt(n)
-        src_prefix = 0 if side * side == n else 1
-        pos = resample_pos_embed(pos, model.config.grid, num_prefix_tokens=src_prefix)
+    # A known grid is checked even when the sizes agree: 24x40 and 40x24 hold as many rows.
+    if pos is not None and isinstance(target, nn.Parameter) and (pos.shape != target.shape or grid is not None):
+        src_prefix, src_grid = _source_layout(pos.shape[1], sd, grid)
+        pos = resample_pos_embed(pos, model.config.grid, num_prefix_tokens=src_prefix, old_grid=src_grid)
         prefix = model.num_prefix_tokens
-        if src_prefix > prefix:  # e.g. a class-token checkpoint into a GAP model without one
-            pos = pos[:, src_prefix - prefix :]
-        elif src_prefix < prefix:
-            pos = torch.cat([pos.new_zeros(1, prefix - src_prefix, pos.shape[2]), pos], dim=1)
-        sd["pos_embed"] = pos
+        # Keep the class token's row (first), drop others; a prefix the checkpoint lacks starts at zero.
+        missing = pos.new_zeros(1, max(prefix - src_prefix, 0), pos.shape[2])
+        sd["pos_embed"] = torch.cat([pos[:, : min(prefix, src_prefix)], missing, pos[:, src_prefix:]], dim=1)
     return sd
 
 
@@ -188,7 +224,7 @@ def load_pretrained(
     sd = read_state_dict(path)
     sd = _from_hf(sd) if _is_hf(sd) else _from_timm(sd)
     if isinstance(model, VisionTransformer):
-        sd = _adapt(sd, model)
+        sd = _adapt(sd, model, _config_grid(Path(path)))
     head = "fc." if isinstance(model, ResNet) else "head."
     own = model.state_dict()
     if skip_head or not any(k.startswith(head) for k in own):
