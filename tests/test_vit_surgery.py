@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 
 import vit
 from vit import at_resolution, freeze_backbone, weights_hash
+from vit.resnet import resnet50
 
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=4, image_size=16, num_classes=4)
 
@@ -70,3 +72,20 @@ def test_the_weights_hash_names_the_weights_and_changes_when_one_weight_does():
         b.blocks[1].mlp.fc2.bias[3] += 1e-3
     assert weights_hash(a) != weights_hash(b)
     assert weights_hash(a) != weights_hash(copy.deepcopy(a).half())  # the dtype is part of it
+
+
+@pytest.mark.parametrize("field", ["embed_dim", "pos_embed", "num_classes", "image_size", "dropuot"])
+def test_at_resolution_refuses_overrides_of_fields_that_hold_weights_or_do_not_exist(field):
+    with pytest.raises(ValueError, match=rf"overrides may change only fields that hold no weights.*'{field}'"):
+        at_resolution(tiny(), 32, 10, {field: 64})
+
+
+def test_at_resolution_accepts_every_field_that_holds_no_weights():
+    overrides = {"dropout": 0.1, "attn_dropout": 0.1, "drop_path": 0.1, "layer_norm_eps": 1e-5, "attn_impl": "matmul"}
+    model = at_resolution(tiny(), 32, 10, overrides)
+    assert all(getattr(model.config, k) == v for k, v in overrides.items())
+
+
+def test_at_resolution_refuses_a_base_that_is_not_a_vision_transformer():
+    with pytest.raises(ValueError, match="base must be a VisionTransformer, got ResNet"):
+        at_resolution(resnet50(num_classes=4), 224, 5)

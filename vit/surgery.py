@@ -17,15 +17,37 @@ from vit.model import VisionTransformer
 from vit.pos_embed import resample_1d
 
 
-def at_resolution(base: VisionTransformer, image_size: int, num_classes: int,
+# ViTConfig fields that hold no weights: the only ones a copy of a trained model may change.
+WEIGHTLESS_FIELDS = ("dropout", "attn_dropout", "drop_path", "layer_norm_eps", "attn_impl")
+
+
+def _check_overrides(overrides: Any) -> dict[str, Any]:
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"overrides must be a dict of ViTConfig fields, got {type(overrides).__name__}")
+    bad = sorted(set(overrides) - set(WEIGHTLESS_FIELDS))
+    if bad:
+        own = {"image_size", "num_classes"} & set(bad)
+        where = " (image_size and num_classes are arguments of their own)" if own else ""
+        raise ValueError(f"overrides may change only fields that hold no weights ({', '.join(WEIGHTLESS_FIELDS)}); "
+                         f"got {bad}{where}")
+    return overrides
+
+
+def at_resolution(base: VisionTransformer, image_size: int | tuple[int, int], num_classes: int,
                   overrides: dict[str, Any] | None = None) -> VisionTransformer:
     """A copy of ViT `base` for `image_size` inputs with a fresh zero-initialised `num_classes` head.
 
     Learned position embeddings are interpolated to the new grid (paper §3.2)
-    by the model's own call-time resampling; `overrides` may change fields that
-    hold no weights (dropout, drop_path, attn_impl).
+    by the model's own call-time resampling; `overrides` may change only fields that
+    hold no weights (`WEIGHTLESS_FIELDS`). Bad arguments raise one ValueError naming them.
     """
-    config = dataclasses.replace(base.config, image_size=image_size, **(overrides or {}))
+    if not isinstance(base, VisionTransformer):
+        raise ValueError(f"base must be a VisionTransformer, got {type(base).__name__}")
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0:
+        raise ValueError(f"num_classes must be an int >= 0 (0 = no head), got {num_classes!r}")
+    config = dataclasses.replace(base.config, image_size=image_size, **_check_overrides(overrides))
     model = VisionTransformer(config)
     state = {k: v.detach().clone() for k, v in base.state_dict().items()}
     if config.pos_embed == "learned":
