@@ -89,3 +89,16 @@ def test_at_resolution_accepts_every_field_that_holds_no_weights():
 def test_at_resolution_refuses_a_base_that_is_not_a_vision_transformer():
     with pytest.raises(ValueError, match="base must be a VisionTransformer, got ResNet"):
         at_resolution(resnet50(num_classes=4), 224, 5)
+
+
+def test_a_frozen_resnet_trains_only_its_fc_head():
+    model = vit.ResNet(vit.ResNetConfig(num_classes=3, layers=(1, 1, 1, 1), width=8))
+    freeze_backbone(model)
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
+
+
+def test_freezing_a_model_without_head_parameters_raises_instead_of_leaving_nothing_to_train():
+    model = tiny(num_classes=0)
+    with pytest.raises(ValueError, match="has no head parameters.*leave nothing to train"):
+        freeze_backbone(model)
+    assert all(p.requires_grad for p in model.parameters())  # left as it was

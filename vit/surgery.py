@@ -15,6 +15,7 @@ from torch import nn
 
 from vit.model import VisionTransformer
 from vit.pos_embed import resample_1d
+from vit.resnet import ResNet
 
 
 # ViTConfig fields that hold no weights: the only ones a copy of a trained model may change.
@@ -62,9 +63,16 @@ def at_resolution(base: VisionTransformer, image_size: int | tuple[int, int], nu
 
 
 def freeze_backbone(model: nn.Module) -> None:
-    """Train the head only (linear probe): every other parameter stops taking gradients."""
+    """Train the head only (linear probe): every other parameter stops taking gradients.
+
+    The head is `fc` on a ResNet, `head` otherwise (as `load_pretrained` names them); a model
+    whose head holds no parameters (num_classes=0) raises, since nothing would be left to train."""
+    head = "fc." if isinstance(model, ResNet) else "head."
+    if not any(name.startswith(head) for name, _ in model.named_parameters()):
+        raise ValueError(f"freeze_backbone: {type(model).__name__} has no head parameters ({head[:-1]}; "
+                         "num_classes=0?), so freezing the backbone would leave nothing to train")
     for name, p in model.named_parameters():
-        p.requires_grad_(name.startswith("head."))
+        p.requires_grad_(name.startswith(head))
 
 
 def weights_hash(module: nn.Module) -> str:
