@@ -196,6 +196,9 @@ def test_memory_is_linear_in_n_no_n_by_n_intermediate_forward_or_backward():
         ({"window": 4, "padding_mask": torch.zeros(2, 10)}, "padding_mask must be a bool tensor"),
         ({"window": 4, "global_mask": torch.zeros(2, 10, dtype=torch.bool),
           "global_qkv": (torch.zeros(2, 3, 10, 4),) * 2}, "global_qkv must be three tensors"),
+        ({"window": 4, "dropout_p": -0.5}, r"dropout_p must be a probability in \[0, 1\), got -0.5"),
+        ({"window": 4, "dropout_p": 1.5}, r"dropout_p must be a probability in \[0, 1\), got 1.5"),
+        ({"window": 4, "global_qkv": (torch.zeros(2, 3, 10, 4),) * 3}, "global_qkv was given without global_mask"),
     ],
 )
 def test_bad_arguments_raise_a_clear_value_error(kwargs, message):

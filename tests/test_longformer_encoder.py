@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit.longformer import LongformerConfig, LongformerEncoder
+from vit.longformer import LongformerConfig, LongformerEncoder, LongformerSelfAttention
 
 
 def tiny(**overrides) -> LongformerConfig:
@@ -152,3 +152,9 @@ def test_bad_config_raises_a_clear_value_error(overrides, message):
 def test_wrong_token_width_raises():
     with pytest.raises(ValueError, match=r"expected tokens \(B, N, 16\)"):
         LongformerEncoder(tiny())(torch.randn(2, 5, 8))
+
+
+@pytest.mark.parametrize("rate", [2.0, -0.1, 1.0])
+def test_self_attention_refuses_an_attention_dropout_outside_0_to_1(rate):
+    with pytest.raises(ValueError, match=rf"attn_dropout must be a probability in \[0, 1\), got {rate}"):
+        LongformerSelfAttention(8, 2, window=4, attn_dropout=rate)

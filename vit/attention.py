@@ -35,6 +35,7 @@ __all__ = [
     "sliding_window_attention",
     "check_window",
     "check_dilation",
+    "check_dropout",
     "global_positions",
     "find_globals",
     "local_attention",
@@ -62,6 +63,13 @@ def check_dilation(dilation: int) -> int:
     if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
         raise ValueError(f"dilation must be an integer >= 1, got {dilation!r}")
     return dilation
+
+
+def check_dropout(name: str, p: float) -> float:
+    """Return an attention dropout probability, or raise naming `name` unless 0 <= p < 1."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1), got {p!r}")
+    return p
 
 
 def _check_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> None:
@@ -270,6 +278,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, global_mask
     bsz, _, n, _ = q.shape
     _check_mask("global_mask", global_mask, bsz, n)
     _check_mask("padding_mask", padding_mask, bsz, n)
+    if global_qkv is not None and global_mask is None:
+        raise ValueError("global_qkv was given without global_mask: it is only read at the rows global_mask marks")
     if global_qkv is not None:
         if len(global_qkv) != 3 or any(t.shape != q.shape for t in global_qkv):
             raise ValueError(
@@ -308,6 +318,7 @@ def sliding_window_attention(
     """
     radius = check_window(window)
     dilation = check_dilation(dilation)
+    check_dropout("dropout_p", dropout_p)
     _check_inputs(q, k, v, global_mask, global_qkv, padding_mask)
     bsz, _, n, _ = q.shape
 

@@ -16,6 +16,7 @@ from torch import nn
 from vit.attention import (
     band_attention,
     check_dilation,
+    check_dropout,
     check_window,
     find_globals,
     global_rows_attention,
@@ -96,7 +97,7 @@ class LongformerSelfAttention(nn.Module):
         self.dilation = check_dilation(dilation)
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
-        self.attn_dropout = attn_dropout
+        self.attn_dropout = check_dropout("attn_dropout", attn_dropout)
         self.fold_global_kv = fold_global_kv
         self.kernel = check_kernel(kernel)
         self.query = nn.Linear(hidden_size, hidden_size)
