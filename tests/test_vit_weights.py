@@ -284,6 +284,19 @@ def test_load_checkpoint_refuses_an_unknown_arch(tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("name, overrides", [("ViT-Ti/16", {}), ("ViT-S/8", dict(pos_embed="sincos", pool="gap"))])
+def test_load_checkpoint_returns_the_model_on_map_location(name, overrides, tmp_path):
+    save_checkpoint(create_model(name, image_size=32, depth=1, num_classes=2, **overrides), tmp_path)
+    model = load_checkpoint(tmp_path, map_location="meta")  # a device other than the CPU, on any machine
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+
+
+def test_load_checkpoint_refuses_a_map_location_that_is_not_a_device(tmp_path):
+    save_checkpoint(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path)
+    with pytest.raises(ValueError, match="map_location must name a device.*'gpu0'"):
+        load_checkpoint(tmp_path, map_location="gpu0")
+
+
 @dataclass
 class _PairConfig:
     width: int = 3

@@ -283,7 +283,12 @@ def save_checkpoint(model: nn.Module, directory: str | Path) -> Path:
 
 
 def load_checkpoint(directory: str | Path, *, map_location: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a model from `config.json` and load `model.safetensors` (strict)."""
+    """Rebuild a model from `config.json` and load `model.safetensors` (strict), on `map_location`."""
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"map_location must name a device such as 'cpu' or 'cuda:0', got {map_location!r}: "
+                         f"{e}") from None
     d = Path(directory)
     if not (d / CONFIG_FILE).is_file() or not (d / WEIGHTS_FILE).is_file():
         raise ValueError(f"{d} is not a checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -297,8 +302,8 @@ def load_checkpoint(directory: str | Path, *, map_location: str | torch.device =
     except TypeError as e:
         raise ValueError(f"checkpoint {d}: config.json does not fit {config_cls.__name__}: {e}") from None
     model = model_cls(config)
-    model.load_state_dict(load_file(d / WEIGHTS_FILE, device=str(map_location)))
-    return model
+    model.load_state_dict(load_file(d / WEIGHTS_FILE, device="cpu"))
+    return model.to(device)  # buffers too (a sincos table is not in the file)
 
 
 __all__ = [
