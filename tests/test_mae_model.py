@@ -83,6 +83,11 @@ def test_images_and_their_patch_sequences_give_the_same_loss():
     assert torch.equal(mae(patchify(x, 4), generator=masking_generator(0, 0)).loss, from_images)
 
 
+def test_a_patch_sequence_grid_with_a_side_that_is_not_positive_is_refused_naming_grid():
+    with pytest.raises(ValueError, match=r"grid must be two positive ints \(rows, cols\), got \(-4, -4\)"):
+        build()(patchify(images(), 4), grid=(-4, -4))
+
+
 def test_the_encoder_state_dict_loads_into_a_plain_vit_without_decoder_weights():
     mae = build()
     plain = encoder()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vit import ViTConfig, VisionTransformer, create_model, decode_variant, load_pretrained
+from vit.pos_embed import resample_pos_embed
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,22 @@ def test_wrong_patch_length(model):
 def test_a_grid_that_does_not_fit_the_sequence(model):
     with pytest.raises(ValueError, match=r"grid 5x5 needs 25 patches, got 16"):
         model(torch.randn(1, 16, 48), grid=(5, 5))
+
+
+def test_a_grid_with_a_side_that_is_not_positive_is_refused_naming_grid(model):
+    with pytest.raises(ValueError, match=r"grid must be two positive ints \(rows, cols\), got \(-4, -4\)"):
+        model(torch.randn(1, 16, 48), grid=(-4, -4))
+
+
+@pytest.mark.parametrize("grid", [(0, 4), (4, -1), (4,), (4.0, 4)])
+def test_resample_pos_embed_refuses_a_new_grid_that_is_not_two_positive_ints(grid):
+    with pytest.raises(ValueError, match=r"new_grid must be two positive ints \(rows, cols\)"):
+        resample_pos_embed(torch.randn(1, 17, 8), grid)
+
+
+def test_resample_pos_embed_refuses_a_negative_count_of_prefix_tokens():
+    with pytest.raises(ValueError, match=r"num_prefix_tokens must be an int >= 0, got -1"):
+        resample_pos_embed(torch.randn(1, 17, 8), (4, 4), num_prefix_tokens=-1)
 
 
 def test_an_input_of_the_wrong_rank(model):

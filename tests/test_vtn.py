@@ -279,6 +279,12 @@ def test_unknown_preset_and_unknown_field_raise():
         create_vtn("ViT-Ti-VTN", frames=3)
 
 
+@pytest.mark.parametrize("name, value", [("crop_size", -3), ("crop_size", 0), ("clip_frames", 0), ("clip_frames", -2)])
+def test_multiview_refuses_a_crop_size_or_clip_length_that_is_not_positive_instead_of_defaulting(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be a positive int, got {value}"):
+        tiny_vtn().predict_multiview(video(bsz=1), clips=1, crops=1, **{name: value})
+
+
 def test_bad_inputs_raise_clear_errors():
     model = tiny_vtn()
     with pytest.raises(ValueError, match=r"expected a video \(B, T, C, H, W\)"):

@@ -29,7 +29,7 @@ from torch import nn
 from vit.config import ViTConfig
 from vit.model import Block, VisionTransformer
 from vit.patches import grid_size, patchify, unpatchify
-from vit.pos_embed import sincos_2d
+from vit.pos_embed import check_grid, sincos_2d
 from vit.weights import load_checkpoint, save_checkpoint
 
 DECODER_FILE = "mae_decoder.safetensors"
@@ -181,7 +181,7 @@ class MaskedAutoencoder(nn.Module):
         if x.ndim == 4 and x.shape[1] == c.in_channels:
             return patchify(x, c.patch_size), grid_size(x.shape[2], x.shape[3], c.patch_size)
         if x.ndim == 3 and x.shape[2] == c.patch_dim:
-            grid = tuple(grid or c.grid)
+            grid = c.grid if grid is None else check_grid("grid", grid)
             if grid[0] * grid[1] != x.shape[1]:
                 raise ValueError(f"grid {grid[0]}x{grid[1]} needs {grid[0] * grid[1]} patches, got {x.shape[1]}")
             return x, grid

@@ -15,7 +15,7 @@ from torch import nn
 
 from vit.config import ViTConfig
 from vit.patches import patchify, unpatchify
-from vit.pos_embed import resample_1d, resample_pos_embed, sincos_2d
+from vit.pos_embed import check_grid, resample_1d, resample_pos_embed, sincos_2d
 from vit.resnet import ResNetV2Stem, zero_head
 
 # Token counts up to which the plain matmul attention beats SDPA on CPU in
@@ -246,8 +246,10 @@ class VisionTransformer(nn.Module):
                         "pass grid=(rows, cols) for another size"
                     )
                 grid = c.grid
-            elif grid[0] * grid[1] != n:
-                raise ValueError(f"grid {grid[0]}x{grid[1]} needs {grid[0] * grid[1]} patches, got {n}")
+            else:
+                grid = check_grid("grid", grid)
+                if grid[0] * grid[1] != n:
+                    raise ValueError(f"grid {grid[0]}x{grid[1]} needs {grid[0] * grid[1]} patches, got {n}")
             if self.patch_embed.backbone is not None:  # the hybrid's stem needs pixels in place
                 return self.patch_embed(unpatchify(x, p, grid, c.in_channels))
             return self.patch_embed.proj(x), tuple(grid)

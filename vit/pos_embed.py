@@ -7,9 +7,19 @@ an input's token grid differs from the configured one (paper §3.2).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
+
+
+def check_grid(name: str, grid: tuple[int, int]) -> tuple[int, int]:
+    """Return `grid` as `(rows, cols)` ints, or raise naming `name` unless it is two positive ints."""
+    ok = isinstance(grid, (tuple, list)) and len(grid) == 2 and all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) and s > 0 for s in grid)
+    if not ok:
+        raise ValueError(f"{name} must be two positive ints (rows, cols), got {grid!r}")
+    return int(grid[0]), int(grid[1])
 
 
 def resample_pos_embed(
@@ -27,15 +37,19 @@ def resample_pos_embed(
     """
     if pos_embed.ndim != 3:
         raise ValueError(f"pos_embed must be (1, tokens, dim), got shape {tuple(pos_embed.shape)}")
+    new_grid = check_grid("new_grid", new_grid)
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens must be an int >= 0, got {num_prefix_tokens!r}")
     n = pos_embed.shape[1] - num_prefix_tokens
-    if old_grid is None:
+    if old_grid is not None:
+        old_grid = check_grid("old_grid", old_grid)
+    else:
         side = math.isqrt(n)
         if side * side != n:
             raise ValueError(f"pos_embed has {n} patch positions, which is not a square grid; pass old_grid")
         old_grid = (side, side)
     if old_grid[0] * old_grid[1] != n:
         raise ValueError(f"pos_embed has {n} patch positions, but old_grid {tuple(old_grid)} does not hold {n}")
-    new_grid = (int(new_grid[0]), int(new_grid[1]))
     if new_grid == tuple(old_grid):
         return pos_embed
     prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
@@ -85,4 +99,4 @@ def sincos_2d(
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1).to(dtype)
 
 
-__all__ = ["resample_1d", "resample_pos_embed", "sincos_2d"]
+__all__ = ["check_grid", "resample_1d", "resample_pos_embed", "sincos_2d"]

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from vit.config import positive_int
 from vit.longformer import LongformerConfig, LongformerEncoder
 from vit.registry import create_model, register_model
 from vit.weights import register_arch
@@ -338,17 +339,20 @@ class VTN(nn.Module):
                           chunk_size: int | None = None) -> torch.Tensor:
         """Class probabilities `(B, num_classes)`: softmax averaged over `clips × crops` views.
 
-        Clips of `clip_frames` (default `num_frames`) frames, `frame_stride` apart, start at
+        Clips of `clip_frames` (None: `num_frames`) frames, `frame_stride` apart, start at
         evenly spaced points of the video (a short video repeats frames); crops of
-        `crop_size` (default: the shorter side) are spread along the longer side.
+        `crop_size` (None: the shorter side) are spread along the longer side.
         """
         video = self._batched(video)
         for name, value in (("clips", clips), ("crops", crops), ("frame_stride", frame_stride)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("clip_frames", clip_frames), ("crop_size", crop_size)):
+            if value is not None:  # None is the default; 0 is refused, not read as one
+                positive_int(name, value)
         bsz, total, _, height, width = video.shape
-        length = clip_frames or self.config.num_frames
-        crop = crop_size or min(height, width)
+        length = self.config.num_frames if clip_frames is None else clip_frames
+        crop = min(height, width) if crop_size is None else crop_size
         if crop > min(height, width):
             raise ValueError(f"crop_size {crop} is larger than the frames ({height}x{width})")
         clip_idx = multiview_clip_indices(total, clips, length, frame_stride)
