@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -365,35 +364,37 @@ def test_cli_video_ingest_runs_the_stage_and_reports_json(ray_cluster, corpus, t
     assert Path(tmp_path, "cli", shards.SUCCESS).exists()
 
 
-def test_config_refuses_unknown_fields_and_bad_values(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
-        VideoIngestConfig(source=a, output=b, image_size=16)
-    with pytest.raises(ValueError, match="sampling"):
-        VideoIngestConfig(source=a, output=b, sampling="random")
-    with pytest.raises(ValueError, match="exceeds 1"):
-        VideoIngestConfig(source=a, output=b, val_fraction=0.7, test_fraction=0.5)
-    with pytest.raises(ValueError, match="exceed 2 GiB per shard"):
-        VideoIngestConfig(source=a, output=b, frame_size=1024, shard_size=64)
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"image_size": 16}, "Extra inputs are not permitted"), ({"sampling": "random"}, "sampling"),
+    ({"val_fraction": 0.7, "test_fraction": 0.5}, "exceeds 1"),
+    ({"frame_size": 1024, "shard_size": 64}, "exceed 2 GiB per shard")])
+def test_config_refuses_an_unknown_field_or_a_bad_value(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        VideoIngestConfig(source=str(tmp_path / "a"), output=str(tmp_path / "b"), **fields)
 
 
-def test_s3_and_local_video_ingest_of_the_same_files_are_identical(ray_cluster, s3_server, corpus, ingested):
-    client = s3_server.client()
-    bucket = f"videos-{uuid.uuid4().hex[:12]}"
+@pytest.fixture(scope="module")
+def s3_ingested(ray_cluster, s3_server, corpus):
+    """The corpus uploaded to the S3 server and ingested there twice: (client, bucket, first run, rerun)."""
+    client, bucket = s3_server.client(), f"videos-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
-    root, expected = corpus
-    for path in root.rglob("*"):
-        if path.is_file():
-            client.put_object(Bucket=bucket, Key=f"corpus/{path.relative_to(root).as_posix()}", Body=path.read_bytes())
+    for path in (p for p in corpus[0].rglob("*") if p.is_file()):
+        client.put_object(Bucket=bucket, Key=f"corpus/{path.relative_to(corpus[0]).as_posix()}", Body=path.read_bytes())
     with pytest.MonkeyPatch.context() as mp:
         for name, value in s3_server.env.items():
             mp.setenv(name, value)
-        result = run_video_ingest(config(f"s3://{bucket}/corpus", f"s3://{bucket}/out"))
-        again = run_video_ingest(config(f"s3://{bucket}/corpus", f"s3://{bucket}/out"))
-    assert result.counts["videos"] == len(expected)
+        runs = [run_video_ingest(config(f"s3://{bucket}/corpus", f"s3://{bucket}/out")) for _ in range(2)]
+    return client, bucket, *runs
+
+
+def test_s3_and_local_video_ingest_of_the_same_files_are_identical(s3_ingested, corpus, ingested):
+    client, bucket, result, _ = s3_ingested
+    assert result.counts["videos"] == len(corpus[1])
     assert result.manifest["content_hash"] == ingested.manifest["content_hash"]
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="out/")
     written = sorted(o["Key"][len("out/"):] for page in pages for o in page.get("Contents", []))
     assert written == sorted([s["path"] for s in result.manifest["shards"]] + [shards.MANIFEST, shards.SUCCESS])
-    assert again.skipped
-    assert os.environ.get("AWS_SECRET_ACCESS_KEY") != s3_server.secret_key  # the credentials did not leak out
+
+
+def test_rerunning_a_finished_s3_video_ingest_writes_nothing(s3_ingested):
+    assert s3_ingested[3].skipped
