@@ -198,10 +198,10 @@ def test_cli_ingest_runs_the_stage_and_reports_json(ray_cluster, corpus, tmp_pat
     assert Path(tmp_path, "cli", shards.SUCCESS).exists()
 
 
-def test_config_rejects_inconsistent_sizes_and_fractions(tmp_path):
-    with pytest.raises(ValueError, match="not divisible by patch_size"):
-        IngestConfig(source=str(tmp_path / "a"), output=str(tmp_path / "b"), image_size=30, patch_size=4)
-    with pytest.raises(ValueError, match="exceeds 1"):
-        IngestConfig(source=str(tmp_path / "a"), output=str(tmp_path / "b"), val_fraction=0.7, test_fraction=0.5)
-    with pytest.raises(ValueError, match="unsupported scheme"):
-        IngestConfig(source="gs://bucket/x", output=str(tmp_path / "b"))
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"image_size": 30, "patch_size": 4}, "not divisible by patch_size"),
+    ({"val_fraction": 0.7, "test_fraction": 0.5}, "exceeds 1"),
+    ({"source": "gs://bucket/x"}, "unsupported scheme")])
+def test_config_refuses_inconsistent_sizes_fractions_or_a_scheme_it_cannot_read(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        IngestConfig(**{"source": str(tmp_path / "a"), "output": str(tmp_path / "b"), **fields})
