@@ -10,6 +10,8 @@ flex kernel are compared with the banded kernel on a GPU by `benchmarks/longform
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,8 +177,8 @@ def compiled_on_cpu(monkeypatch):
     the unfused N×N reference."""
     torch._dynamo.reset()
     flex_longformer._compiled_flex.cache_clear()
-    monkeypatch.setattr(flex_longformer, "_flex",
-                        lambda device, variant=(): flex_longformer._compiled_flex(variant, backend="aot_eager"))
+    monkeypatch.setattr(flex_longformer, "_static_shapes", {})
+    monkeypatch.setattr(flex_longformer, "_flex", functools.partial(flex_longformer._flex, backend="aot_eager"))
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         yield
     flex_longformer._compiled_flex.cache_clear()
@@ -192,11 +194,11 @@ def _flex_equals_dense(n, batch, window, dilation, globals_, padding, seed=0):
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0, msg=f"n={n} batch={batch} window={window}")
 
 
-def test_the_compiled_kernel_takes_new_lengths_batches_and_windows_without_reaching_dynamos_limit(compiled_on_cpu):
-    # 12 lengths over 1 to 10 query blocks, past dynamo's 8 entries: each must neither recompile
-    # per length nor fall back to the N×N reference.
-    for i, n in enumerate((20, 50, 130, 200, 260, 300, 420, 555, 700, 900, 1100, 1300)):
-        _flex_equals_dense(n, batch=1 + i % 2, window=(4, 16, 64)[i % 3], dilation=2, globals_=True, padding=True)
+def test_the_compiled_kernel_takes_new_lengths_and_windows_without_reaching_dynamos_limit(compiled_on_cpu):
+    # 16 lengths of 2 to 17 query blocks, one kind of call: STATIC_SHAPES static kernels, then one dynamic
+    # kernel that must serve the other 10 without a recompile each (past 8, dynamo would raise here).
+    for i, n in enumerate(range(130, 130 + 16 * 128, 128)):
+        _flex_equals_dense(n, batch=2, window=(4, 16, 64)[i % 3], dilation=2, globals_=True, padding=True)
 
 
 def test_each_kind_of_call_has_its_own_compiled_kernel_so_mixing_them_keeps_every_one_fused(compiled_on_cpu):
@@ -206,3 +208,13 @@ def test_each_kind_of_call_has_its_own_compiled_kernel_so_mixing_them_keeps_ever
             for padding in (False, True):
                 for batch in (1, 2):
                     _flex_equals_dense(300, batch, 16, dilation, globals_, padding)
+
+
+def test_a_kinds_first_shapes_get_static_kernels_and_later_ones_share_a_dynamic_one(monkeypatch):
+    monkeypatch.setattr(flex_longformer, "_static_shapes", {})
+    variant, cpu = (False,) * 6, torch.device("cpu")
+    picks = [flex_longformer._flex(cpu, variant, (1, 2, 128 * i, 8, 128 * i), backend="aot_eager") for i in range(1, 9)]
+    static = flex_longformer._compiled_flex(variant, False, "aot_eager")
+    dynamic = flex_longformer._compiled_flex(variant, True, "aot_eager")
+    assert picks == [static] * flex_longformer.STATIC_SHAPES + [dynamic] * (8 - flex_longformer.STATIC_SHAPES)
+    assert flex_longformer._flex(cpu, variant, (1, 2, 128, 8, 128), backend="aot_eager") is static  # seen before

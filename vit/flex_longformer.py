@@ -18,8 +18,9 @@ hidden), on `(B, heads, N, head_dim)` tensors:
    the mask_mod checks class edges, the radius, padding and the global slots.
 
 FlexAttention has no attention dropout: this path is only taken when dropout is off. On CUDA the
-kernel is `flex_attention` compiled once per variant (`_compiled_flex`), its ints passed as tensors
-and its shapes dynamic, so new lengths do not recompile; elsewhere the unfused reference (for tests).
+kernel is `flex_attention` compiled per variant (`_compiled_flex`), its ints passed as tensors: a
+static kernel for each of a variant's first `STATIC_SHAPES` shapes, then one for dynamic shapes, so
+new lengths never exhaust dynamo's recompile limit; elsewhere the unfused reference (for tests).
 """
 
 from __future__ import annotations
@@ -65,24 +66,37 @@ def _call_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask:
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
 
 
+# Shapes per kind of call that get a kernel of their own (static shapes: the fastest); later shapes share
+# one compiled for dynamic shapes. A training run or a benchmark sees a few; evaluation on varied lengths
+# more. Below dynamo's 8 entries per code object, with room for a recompile of another cause.
+STATIC_SHAPES = 6
+_static_shapes: dict[tuple[bool, ...], set[tuple[int, ...]]] = {}
+
+
 @functools.cache
-def _compiled_flex(variant: tuple[bool, ...] = (), backend: str = "inductor"):
-    """`flex_attention` compiled for one variant of `flex_band_attention`'s calls.
+def _compiled_flex(variant: tuple[bool, ...] = (), dynamic: bool = False, backend: str = "inductor"):
+    """`flex_attention` compiled for one variant of `flex_band_attention`'s calls, for static or dynamic shapes.
 
     Dynamo keeps its compiled entries, and its limit of 8 (past which it silently runs the unfused
-    reference that materialises N×N scores), per code object: each variant gets its own copy of
-    `_call_flex`'s code, so variants never share one budget. Shapes are left to automatic dynamic
-    (`dynamic=None`): one fixed shape keeps its static kernel, the first new shape compiles a
-    dynamic one that serves the rest."""
-    name = "_flex_" + "".join("1" if flag else "0" for flag in variant)
+    reference that materialises N×N scores), per code object: each (variant, dynamic) gets its own copy
+    of `_call_flex`'s code, so none shares another's budget."""
+    name = "_flex_" + "".join("1" if flag else "0" for flag in variant) + ("_dynamic" if dynamic else "")
     fn = types.FunctionType(_call_flex.__code__.replace(co_name=name), _call_flex.__globals__, name)
     fn.__kwdefaults__, fn.__qualname__ = _call_flex.__kwdefaults__, name
-    return torch.compile(fn, dynamic=None, backend=backend)
+    return torch.compile(fn, dynamic=dynamic, backend=backend)
 
 
-def _flex(device: torch.device, variant: tuple[bool, ...] = ()):
-    # Compiling for CPU builds a C++ kernel for minutes; CPU only runs this path in tests.
-    return _compiled_flex(variant) if device.type == "cuda" else flex_attention
+def _flex(device: torch.device, variant: tuple[bool, ...], shape: tuple[int, ...], backend: str = "inductor"):
+    """The kernel for one call: on CUDA a static one for the first `STATIC_SHAPES` shapes of its variant,
+    then the variant's dynamic one; elsewhere the unfused reference (compiling for CPU builds a C++ kernel
+    for minutes, and CPU only runs this path in tests)."""
+    if device.type != "cuda" and backend == "inductor":
+        return flex_attention
+    seen = _static_shapes.setdefault(variant, set())
+    if shape in seen or len(seen) < STATIC_SHAPES:
+        seen.add(shape)
+        return _compiled_flex(variant, False, backend)
+    return _compiled_flex(variant, True, backend)
 
 
 def _layout(n: int, dilation: int) -> tuple[int, int]:
@@ -288,7 +302,8 @@ def flex_band_attention(
     else:
         global_pos = global_valid = None
     block_mask = band_block_mask(n, radius, dilation, key_ok, padding, global_pos, global_valid)
-    # The mask_mod's code paths, and the sizes dynamo specializes when they are 1 (batch, query blocks).
-    variant = (dilation > 1, padding, global_pos is not None, bsz == 1, padded == BLOCK)
-    out = _flex(q.device, variant)(qc, kc, vc, block_mask=block_mask, scale=scale)
+    # The mask_mod's code paths, the sizes dynamo specializes when they are 1 (batch, query blocks), and
+    # grad mode (dynamo guards on it: training and evaluation would share one budget of entries).
+    variant = (dilation > 1, padding, global_pos is not None, bsz == 1, padded == BLOCK, torch.is_grad_enabled())
+    out = _flex(q.device, variant, (*qc.shape, kc.shape[2]))(qc, kc, vc, block_mask=block_mask, scale=scale)
     return from_classes(out, n, dilation)
