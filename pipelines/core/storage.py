@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from pipelines.core.errors import ObjectTooLarge, StorageError, TransientStorageError
 from pipelines.core.s3 import S3Settings, storage_error
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import is_s3_uri, strip_userinfo
 
 __all__ = [
     "Entry", "LocalStore", "Location", "S3Settings", "S3Store", "Store",
@@ -82,11 +82,6 @@ def parse_uri(uri: str) -> Location:
     return Location("s3", bucket, parts.path.strip("/"))
 
 
-def is_s3_uri(uri: str) -> bool:
-    """Whether `uri` names S3 storage as `parse_uri` reads it: `s3://` or Hadoop's `s3a://`, in any case."""
-    return "://" in uri and urlsplit(uri.strip()).scheme.lower() in ("s3", "s3a")
-
-
 def join_key(*parts: str) -> str:
     """Join key parts with "/" (no leading, trailing or doubled separators)."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
@@ -114,10 +109,8 @@ class Store:
         raise NotImplementedError
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
-        """The object's bytes. Raises `ObjectTooLarge` (before reading the body) when it holds more
-        than `max_bytes`, `TransientStorageError` when the read kept failing for a cause that may
-        pass, `StoreAccessError` when the store refuses this process (credentials, bucket), and
-        `StorageError` when the object cannot be read at all (missing, forbidden)."""
+        """The object's bytes. Raises `ObjectTooLarge` (before reading the body) over `max_bytes`, and
+        otherwise the errors of the module docstring."""
         raise NotImplementedError
 
     def write(self, key: str, data: bytes) -> None:

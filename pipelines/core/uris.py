@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 # `scheme://` (or a bare `//`), then an authority whose userinfo ends at its last `@`; an authority
 # ends at the first `/`, `?` or `#`, as `urllib.parse.urlsplit` cuts it.
@@ -17,6 +18,11 @@ def strip_userinfo(uri: str) -> str:
     IPv6 brackets, port).
     """
     return _USERINFO.sub(r"\1", uri, count=1)
+
+
+def is_s3_uri(uri: str) -> bool:
+    """Whether `uri` names S3 storage as `storage.parse_uri` reads it: `s3://` or Hadoop's `s3a://`, any case."""
+    return "://" in uri and urlsplit(uri.strip()).scheme.lower() in ("s3", "s3a")
 
 
 class Unprinted:

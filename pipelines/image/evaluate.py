@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 import vit
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import is_s3_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
-from pipelines.core.storage import S3Settings, is_s3_uri, open_store
+from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.finetune_data import DataSpec, decode_batch, iter_rows
 from pipelines.image.frozen_model import load_frozen_model

@@ -32,10 +32,10 @@ from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.registry import RegistryName
 from pipelines.core.shards import num_classes, read_manifest
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import is_s3_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
-from pipelines.core.storage import S3Settings, is_s3_uri
+from pipelines.core.storage import S3Settings
 from pipelines.image.finetune_data import DataSpec, raw_bytes
 from pipelines.image.finetune_results import report_sweep
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial

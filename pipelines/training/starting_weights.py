@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import vit
 from pipelines.core.registry import CHECKPOINT_FILES, MODEL_CHECKPOINT, download_checkpoint
-from pipelines.core.storage import is_s3_uri, open_store
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.storage import open_store
+from pipelines.core.uris import is_s3_uri, strip_userinfo
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"
