@@ -6,6 +6,8 @@ A real interruption (SIGKILL mid-write) is tested in tests/test_ingest_kill.py."
 from __future__ import annotations
 
 import shutil
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,3 +37,15 @@ def assert_completing_writes_only_the_missing_shard(finished: Any, out: Path, re
     assert all(after[p] == before[p] for p in untouched)
     assert lost.exists() and not any(".tmp-vitpipe" in p for p in after)
     assert result.manifest["content_hash"] == finished.manifest["content_hash"]
+
+
+def wait_for_shards(out: Path, proc: subprocess.Popen, count: int, timeout: float, log: Path | None = None) -> None:
+    """Return once `count` shards are in place under `out` (each lands by an atomic rename, so whole); fail,
+    with the end of `log` if given, if `proc` ends or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list((out / shards.SHARD_DIR).glob("shard-*.parquet"))) >= count:  # not a .tmp- file in flight
+            return
+        time.sleep(0.02)
+    state = "ended" if proc.poll() is not None else "timed out"
+    raise AssertionError(f"no {count} shards before the stage {state}" + (f": {log.read_text()[-3000:]}" if log else ""))

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from pipelines.core import shards
+from tests.shard_output import wait_for_shards
 
 REPO = Path(__file__).resolve().parents[1]
 N_OBJECTS, SHARD_SIZE = 800, 16  # 50 shards: several seconds of work on two cores
@@ -53,15 +54,6 @@ def _finished(out: Path) -> dict[str, int]:
     return done
 
 
-def _wait_for_shards(out: Path, proc: subprocess.Popen, count: int, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(list((out / shards.SHARD_DIR).glob("*.parquet"))) >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {count} shards before the ingest {'ended' if proc.poll() is not None else 'timed out'}")
-
-
 def test_a_rerun_after_sigkill_finishes_with_every_object_once_and_rewrites_only_unfinished_shards(
     ray_cluster, s3_server, s3_bucket, tmp_path
 ):
@@ -71,7 +63,7 @@ def test_a_rerun_after_sigkill_finishes_with_every_object_once_and_rewrites_only
 
     first = _ingest(s3_bucket, out, ray_cluster.address, env, log)
     try:
-        _wait_for_shards(out, first, count=3)
+        wait_for_shards(out, first, count=3, timeout=300.0)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver and anything it forked, mid-write
         first.wait()

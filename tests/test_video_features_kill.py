@@ -24,6 +24,7 @@ import yaml
 from pipelines.core import shards
 from pipelines.video.feature_data import decode_features, table_hash
 from tests.process_output import result_json
+from tests.shard_output import wait_for_shards
 from tests.video_fixtures import write_video_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,16 +73,6 @@ def _written(out: Path) -> dict[str, tuple[int, int, str]]:
     return done
 
 
-def _wait_for_shards(out: Path, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(list((out / shards.SHARD_DIR).glob("shard-*.parquet"))) >= KILL_AFTER:
-            return
-        time.sleep(0.02)
-    state = "ended" if proc.poll() is not None else "timed out"
-    raise AssertionError(f"no {KILL_AFTER} feature shards before the stage {state}: {log.read_text()[-3000:]}")
-
-
 def _stored(out: Path) -> list[str]:
     """Every stored video's key (one per row), each shard's footer hash checked against its rows."""
     keys = []
@@ -102,7 +93,7 @@ def test_a_rerun_after_sigkill_finishes_every_video_once_and_rewrites_only_unfin
 
     first = _features(config, ray_cluster.address, log)
     try:
-        _wait_for_shards(out, first, log)
+        wait_for_shards(out, first, KILL_AFTER, timeout=120.0, log=log)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver (it writes the shards) and anything it forked
         first.wait()
