@@ -148,7 +148,8 @@ def candidates(name: str, annotation: Any, value: Any, checkpoint: str) -> tuple
     if isinstance(value, dict) or _allows(annotation, dict):
         return [{**(value or {}), "CPU": 2.0}, {"x": 1}], "first"
     if isinstance(value, str) or _allows(annotation, str):
-        return [f"{value}-2" if value else "/elsewhere"], "first"
+        # A path for the fields that take one, else a plain name (a registered model's cannot hold '/').
+        return ([f"{value}-2"] if value else ["/elsewhere", "elsewhere"]), "first"
     raise AssertionError(f"field {name}: no changed value for {annotation!r}; add one to SPECIFIC")
 
 
