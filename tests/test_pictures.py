@@ -75,3 +75,13 @@ def test_no_trial_curves_figure_when_no_trial_logged_a_metric(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     parent = client.create_run(tracking.get_or_create_experiment(client, "none")).info.run_id
     assert not log_trial_curves(client, parent, [{"trial_id": "t0", "status": "failed"}])
+
+
+def test_logging_a_figure_leaves_none_behind_in_pyplot(tmp_path):
+    # pyplot keeps every figure it made until closed: a driver logging a sweep per pipeline run grew without end.
+    import matplotlib.pyplot as plt
+
+    client, parent, outcomes, _ = _sweep(tmp_path)
+    before = plt.get_fignums()
+    assert log_trial_curves(client, parent, outcomes)
+    assert plt.get_fignums() == before

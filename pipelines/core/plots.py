@@ -1,8 +1,9 @@
 """Figures the stages log: the sweep at a glance, the trials' learning curves, the best model's confusion
 matrix, where a pretrained ViT looks and what a masked autoencoder reconstructs.
 
-Plain matplotlib on the Agg backend (drivers run headless); every function
-returns a Figure for `MlflowClient.log_figure` and leaves closing it to the caller.
+Plain matplotlib, without pyplot: every function returns a `matplotlib.figure.Figure` for
+`MlflowClient.log_figure`, which no global registry keeps (pyplot's held every figure a
+long-running driver made, until it was closed), so a figure goes when its caller drops it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import numpy as np
 STATUS_COLOURS = {"completed": "tab:blue", "early_stopped": "tab:orange", "failed": "tab:red"}
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def _subplots(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    """`pyplot.subplots` without pyplot: a Figure (rendered by Agg when saved) and its axes."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    figsize = kwargs.pop("figsize", None)
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(nrows, ncols, **kwargs)
 
 
 def _log_axis(values: Sequence[float]) -> bool:
@@ -39,7 +40,6 @@ def sweep_figure(trials: Sequence[dict[str, Any]], params: Sequence[str], metric
     decade); the metric axis puts the better end on top, and failed trials
     (no metric) are drawn dashed below it.
     """
-    plt = _pyplot()
     axes_names = [*params, metric]
     columns = []
     for name in axes_names:
@@ -61,7 +61,7 @@ def sweep_figure(trials: Sequence[dict[str, Any]], params: Sequence[str], metric
                 position = (x - low) / span
                 column.append(1 - position if flip else position)
         columns.append((name, column, (high, low) if flip else (low, high), log))
-    fig, ax = plt.subplots(figsize=(2.2 * len(axes_names) + 2, 4.5))
+    fig, ax = _subplots(figsize=(2.2 * len(axes_names) + 2, 4.5))
     xs = np.arange(len(axes_names))
     for i, trial in enumerate(trials):
         ys = [col[1][i] for col in columns]
@@ -85,11 +85,10 @@ def sweep_figure(trials: Sequence[dict[str, Any]], params: Sequence[str], metric
 
 def confusion_figure(matrix: np.ndarray, class_names: Sequence[str], title: str = "confusion matrix") -> Any:
     """Counts of (true class, predicted class) as a heat map, numbers written in the cells when few."""
-    plt = _pyplot()
     matrix = np.asarray(matrix)
     n = len(class_names)
     size = min(12.0, 2.0 + 0.45 * n)
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig, ax = _subplots(figsize=(size, size))
     ax.imshow(matrix, cmap="Blues")
     if n <= 30:
         threshold = matrix.max() / 2 if matrix.size else 0
@@ -114,8 +113,7 @@ def trial_curves_figure(curves: Sequence[dict[str, Any]], keys: Sequence[str] = 
 
     Each curve is `{"label": str, "status": str, "metrics": {key: [(step, value), ...]}}`.
     """
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    fig, axes = _subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for curve in curves:
             points = curve["metrics"].get(key) or []
@@ -138,9 +136,8 @@ def attention_figure(images: np.ndarray, maps: np.ndarray, titles: Sequence[str]
 
     `images` is `(B, H, W, C)` in [0, 1]; `maps` is `(B, grid_h, grid_w)`, stretched over the image.
     """
-    plt = _pyplot()
     n = len(images)
-    fig, axes = plt.subplots(2, n, figsize=(2.4 * n, 5), squeeze=False)
+    fig, axes = _subplots(2, n, figsize=(2.4 * n, 5), squeeze=False)
     for i in range(n):
         image = images[i].squeeze(-1) if images[i].shape[-1] == 1 else images[i]
         height, width = image.shape[:2]
@@ -161,10 +158,9 @@ def reconstruction_figure(columns: dict[str, np.ndarray], title: str) -> Any:
 
     Each value is `(B, H, W, C)` in [0, 1]; the keys title the columns.
     """
-    plt = _pyplot()
     names = list(columns)
     n = len(columns[names[0]])
-    fig, axes = plt.subplots(n, len(names), figsize=(2.2 * len(names), 2.2 * n), squeeze=False)
+    fig, axes = _subplots(n, len(names), figsize=(2.2 * len(names), 2.2 * n), squeeze=False)
     for j, name in enumerate(names):
         for i in range(n):
             image = columns[name][i]
