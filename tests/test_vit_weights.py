@@ -180,10 +180,22 @@ def test_a_table_of_as_many_rows_on_a_transposed_grid_is_resampled_not_copied(tm
 
 
 def test_a_position_table_whose_grid_cannot_be_told_raises_instead_of_guessing(tmp_path):
-    source = _tiny_vit((192, 320))
+    source = _tiny_vit((192, 256))  # 1 + 24*32 = 769 rows: neither they nor the 768 past the class token are square
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"cannot tell the grid.*961 rows less 1 prefix token.*config\.json"):
+    with pytest.raises(ValueError, match=r"cannot tell the grid.*neither 769 rows nor 769 less 1 prefix .*config\.json"):
         load_pretrained(_tiny_vit(224), tmp_path)
+
+
+def test_a_bare_table_without_a_class_token_row_is_read_as_a_square_grid(tmp_path):
+    # timm's no_embed_class models (DeiT III) keep a cls_token but give it no position row.
+    source = _tiny_vit(224, pos_embed="learned")
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    state["pos_embed"] = state["pos_embed"][:, 1:].contiguous()  # the 28x28 rows only
+    save_file(state, tmp_path / "model.safetensors")
+    target = _tiny_vit(112)
+    load_pretrained(target, tmp_path)
+    want = resample_pos_embed(state["pos_embed"], (14, 14), num_prefix_tokens=0, old_grid=(28, 28))
+    torch.testing.assert_close(target.pos_embed.detach()[:, 1:], want)
 
 
 def test_a_config_json_whose_grid_does_not_fit_the_table_raises(tmp_path):

@@ -183,12 +183,13 @@ def _source_layout(n: int, sd: dict[str, torch.Tensor], grid: tuple[int, int] | 
             raise ValueError(f"pos_embed has {n} rows, but the checkpoint's {CONFIG_FILE} gives a {grid[0]}x{grid[1]} "
                              f"grid ({rows} rows) and it has {tokens} prefix token(s)")
         return n - rows, grid
-    side = math.isqrt(max(n - tokens, 0))
-    if side * side != n - tokens:
-        raise ValueError(f"cannot tell the grid of the checkpoint's pos_embed: {n} rows less {tokens} prefix "
-                         f"token(s) is not a square, and no {CONFIG_FILE} beside the weights gives image_size and "
-                         "patch_size")
-    return tokens, (side, side)
+    for prefix in (tokens, 0):  # 0: a table without prefix rows (timm's no_embed_class, e.g. DeiT III)
+        side = math.isqrt(max(n - prefix, 0))
+        if side * side == n - prefix:
+            return prefix, (side, side)
+    raise ValueError(f"cannot tell the grid of the checkpoint's pos_embed: neither {n} rows nor {n} less {tokens} "
+                     f"prefix token(s) is a square, and no {CONFIG_FILE} beside the weights gives image_size and "
+                     "patch_size")
 
 
 def _adapt(sd: dict[str, torch.Tensor], model: VisionTransformer,
