@@ -233,11 +233,16 @@ def class_names(manifest: Mapping[str, Any]) -> list[str]:
     Integer labels keep their values (a label manifest's 1-based ids, a WebDataset subset's
     class numbers), so labels may skip ids: a skipped id is named by its number, and the
     list's length is the head size the labels need."""
+    by_label = class_labels(manifest)
+    return [by_label.get(label, str(label)) for label in range(max(by_label, default=-1) + 1)]
+
+
+def class_labels(manifest: Mapping[str, Any]) -> dict[int, str]:
+    """Label → name of the classes a manifest holds, in label order (an id no class has is absent)."""
     classes = manifest["classes"]
     if not isinstance(classes, Mapping):
-        return [str(c) for c in classes]
-    by_label = {int(label): name for name, label in classes.items()}
-    return [by_label.get(label, str(label)) for label in range(max(by_label, default=-1) + 1)]
+        return {label: str(name) for label, name in enumerate(classes)}
+    return dict(sorted((int(label), name) for name, label in classes.items()))
 
 
 def num_classes(manifest: Mapping[str, Any]) -> int:

@@ -33,7 +33,7 @@ from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.finetune_data import DataSpec, decode_batch, iter_rows
 from pipelines.image.frozen_model import load_frozen_model
-from pipelines.core.shards import class_names
+from pipelines.core.shards import class_labels, class_names
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -194,9 +194,7 @@ def _rows_for_keys(data: Any, split: str, keys: list[str], size: int) -> tuple[n
 def few_shot_table(model: torch.nn.Module, data: Any, config: EvaluateConfig, size: int) -> dict[int, list[float]]:
     """Top-1 of every repeat for every k: `{k: [acc, ...]}`."""
     names = class_names(data.manifest)
-    classes = data.manifest["classes"]  # support comes from the classes there are: labels may skip ids
-    present = (dict(sorted((int(y), n) for n, y in classes.items())) if isinstance(classes, Mapping)
-               else dict(enumerate(names)))
+    present = class_labels(data.manifest)  # support comes from the classes there are: labels may skip ids
     for split in {config.query_split, config.support_split}:
         if int(data.manifest.get("counts", {}).get(split, 0)) == 0:
             raise ValueError(f"{data.uri} has no {split!r} split to use as the {'query' if split == config.query_split else 'support'} set")
