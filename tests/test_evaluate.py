@@ -59,7 +59,7 @@ def test_primal_and_dual_forms_give_the_same_weights(n_per_class, dim):
 
 def test_support_sets_hold_k_distinct_images_of_every_class():
     labels = np.repeat(np.arange(4), 10)
-    picks = sample_support(labels, 5, np.random.default_rng(0), ["a", "b", "c", "d"])
+    picks = sample_support(labels, 5, np.random.default_rng(0), dict(enumerate("abcd")))
     assert len(set(picks.tolist())) == 20
     assert np.bincount(labels[picks]).tolist() == [5, 5, 5, 5]
 
@@ -73,7 +73,7 @@ def test_support_comes_only_from_the_classes_there_are_when_labels_skip_ids():
 def test_asking_for_more_shots_than_a_class_has_names_the_class():
     labels = np.array([0, 0, 0, 1, 1])
     with pytest.raises(ValueError, match=r"shots: 3-shot needs 3 support images of every class; class 'one' has 2"):
-        sample_support(labels, 3, np.random.default_rng(0), ["zero", "one"])
+        sample_support(labels, 3, np.random.default_rng(0), {0: "zero", 1: "one"})
 
 
 @pytest.mark.parametrize(

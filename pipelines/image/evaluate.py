@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -128,13 +128,11 @@ def few_shot_accuracy(support: tuple[torch.Tensor, torch.Tensor], query: tuple[t
     return float((predicted == query[1]).double().mean())
 
 
-def sample_support(labels: np.ndarray, shots: int, rng: np.random.Generator,
-                   class_names: Sequence[str] | Mapping[int, str]) -> np.ndarray:
-    """Indices of `shots` random images of every class (`class_names`: names indexed by label, or
-    label → name for the classes there are); a ValueError names a class with too few."""
-    classes = class_names.items() if isinstance(class_names, Mapping) else enumerate(class_names)
+def sample_support(labels: np.ndarray, shots: int, rng: np.random.Generator, classes: Mapping[int, str]) -> np.ndarray:
+    """Indices of `shots` random images of every class in `classes` (label → name: the classes there are,
+    `shards.class_labels`); a ValueError names a class with too few."""
     chosen = []
-    for c, name in classes:
+    for c, name in classes.items():
         idx = np.flatnonzero(labels == c)
         if len(idx) < shots:
             raise ValueError(f"shots: {shots}-shot needs {shots} support images of every class; class {name!r} has {len(idx)}")
