@@ -169,6 +169,19 @@ def test_running_a_finished_sweep_again_returns_it_without_training(sweep):
     assert len(sweep.children()) == 4
 
 
+def test_a_finished_sweep_asked_for_under_another_name_is_registered_there_without_training(sweep, pretrained):
+    renamed = sweep.config.model_copy(update={"registry_model": "digits-transfer-renamed"})
+    for _ in range(2):  # the second time finds the version the first registered
+        again = run_finetune(renamed)
+        assert again.reused and again.run_id == sweep.result.run_id
+    versions = sweep.client.search_model_versions("name = 'digits-transfer-renamed'")
+    assert [(v.version, v.run_id) for v in versions] == [("1", sweep.result.run_id)]
+    assert versions[0].tags["vitpipe.pretrain_run_id"] == pretrained.run_id
+    assert versions[0].tags["vitpipe.score_metric"] == "test_top1"
+    assert (again.registered_model, again.registered_version) == ("digits-transfer-renamed", "1")
+    assert len(sweep.children()) == 4  # no trial ran again
+
+
 # ---------------------------------------------------------------- interruption
 
 

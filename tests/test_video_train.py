@@ -168,6 +168,18 @@ def test_final_model_is_logged_and_registered(trained):
     assert model.predict(video).shape == (1, 2)
 
 
+def test_a_finished_run_asked_for_under_another_name_is_registered_there_without_training(trained):
+    config, result = trained
+    renamed = config.model_copy(update={"registry_model": "video-tests-vtn-renamed"})
+    for _ in range(2):  # the second time finds the version the first registered
+        again = run_video_train(renamed)
+        assert again.reused and again.run_id == result.run_id
+    versions = client_of(config).search_model_versions("name = 'video-tests-vtn-renamed'")
+    assert [(v.version, v.run_id) for v in versions] == [("1", result.run_id)]
+    assert versions[0].tags["vitpipe.video_train_run_id"] == result.run_id
+    assert again.registered_version == "1"
+
+
 def test_rerunning_a_finished_config_returns_its_run_without_training(trained):
     config, result = trained
     again = run_video_train(config)

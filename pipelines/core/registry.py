@@ -30,6 +30,9 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors")  # what vit.save_checkpo
 MODEL_CHECKPOINT = "artifacts/checkpoint"  # the checkpoint's folder inside a logged model
 CHAMPION = "champion"  # the alias on the best-scoring version of a registered model
 TAG_SCORE = "vitpipe.score"
+TAG_MODEL_URI = "vitpipe.model_uri"  # on a stage run: the MLflow model it logged
+TAG_REGISTERED_MODEL = "vitpipe.registered_model"  # on a stage run: the name it was last registered under
+TAG_REGISTERED_VERSION = "vitpipe.registered_version"
 TAG_SCORE_METRIC = "vitpipe.score_metric"
 _MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
 _VIT_CODE = Path(vit.__file__).parent
@@ -121,6 +124,24 @@ def register(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str
     return version
 
 
+def register_run_model(client: Any, run_id: str, name: str, lineage: dict[str, str], *, run_tag: str,
+                       score: Score) -> str:
+    """Register the model stage run `run_id` logged (its `vitpipe.model_uri` tag) as a version of `name`, and
+    record the name and version on the run; returns the version.
+
+    Once per run and name (see `register`), so a finished run that is reused with another
+    `registry_model` is registered under that name too, without training again.
+    """
+    from mlflow.entities import RunTag
+
+    model_uri = client.get_run(run_id).data.tags.get(TAG_MODEL_URI)
+    if not model_uri:
+        raise ValueError(f"registry_model {name!r}: run {run_id} logged no model to register")
+    version = register(client, name, model_uri, run_id, lineage, run_tag=run_tag, score=score)
+    client.log_batch(run_id, tags=[RunTag(TAG_REGISTERED_MODEL, name), RunTag(TAG_REGISTERED_VERSION, version)])
+    return version
+
+
 def _create_version(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str]) -> str:
     """A new version of `name` (created if missing) from the logged model `model_uri`, linked both ways."""
     import mlflow
@@ -197,5 +218,6 @@ def load_model_from_run(uri: str, tracking_uri: str | None = None) -> Any:
 
 __all__ = [
     "CHAMPION", "CHECKPOINT_FILES", "MODEL_CHECKPOINT", "Score", "crown_champion", "download_checkpoint",
-    "load_model_from_run", "log_vit_model", "register",
+    "TAG_MODEL_URI", "TAG_REGISTERED_MODEL", "TAG_REGISTERED_VERSION", "load_model_from_run", "log_vit_model",
+    "register", "register_run_model",
 ]

@@ -37,10 +37,12 @@ from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
 from pipelines.core.storage import S3Settings
 from pipelines.image.finetune_data import DataSpec, raw_bytes
-from pipelines.image.finetune_results import report_sweep
+from pipelines.image.finetune_results import register_best_model, report_sweep, sweep_score
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
-from pipelines.training.recipe import RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, shared_fields
+from pipelines.training.recipe import (
+    RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, pinned_identity, shared_fields,
+)
 from pipelines.training.starting_weights import ARCH_FIELDS, StartingWeights, fetch_starting_weights, init_kind
 from pipelines.training.trainer import stage_init, storage_location
 
@@ -54,7 +56,9 @@ NOT_IDENTITY = RECIPE_NOT_IDENTITY | {
     "max_concurrent_trials", "ray_data_cpus", "trial_driver_cpus",  # how fast
     "train_data", "memory_limit_mb",  # how rows reach the trials (in memory or streamed), not which rows
     "keep_checkpoints",  # how many checkpoints trials keep
+    "registry_model",  # where the best model is registered: a reused sweep is registered there too
 }
+PINNED = ("registry_model",)  # left out of the identity later: held at its default in it (`pinned_identity`)
 _DEFAULT_SPACE = {"lr": {"grid": [0.001, 0.003, 0.01, 0.03]}, "steps": 500}
 
 
@@ -276,6 +280,9 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     with stage_run(client, STAGE, config, run_identity(config, manifest, start.source_run_id),
                    tags={**tags, **tracking.system_info(config.num_workers, config.use_gpu)}) as run:
         if run.finished:
+            if config.registry_model:  # idempotent: a version exists once per run and name
+                score = sweep_score(client.get_run(run.run_id).data.metrics, config.metric, config.sweep_mode)
+                register_best_model(client, run.run_id, config.registry_model, tags, score)
             return _result_from_run(client, run.run_id, reused=True)
         run.log_config({**config.model_dump(mode="json"), "batch_size": batch_size,
                         "pretrain_resolution": start.model.config.image_size})
@@ -305,7 +312,7 @@ def starting_weights(config: FinetuneConfig, manifest: dict[str, Any], tracking_
 def run_identity(config: FinetuneConfig, manifest: dict[str, Any], init_source_run: str | None) -> dict[str, Any]:
     """The part of a config (plus the data's content hash and the run the starting weights came from) that
     decides what is trained; known before anything runs."""
-    identity = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
+    identity = pinned_identity(tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY)), config, PINNED)
     identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=init_source_run)
     return identity
 

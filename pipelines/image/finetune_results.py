@@ -20,7 +20,7 @@ import numpy as np
 import vit
 from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, error_line
-from pipelines.core.registry import Score, log_vit_model, register
+from pipelines.core.registry import TAG_MODEL_URI, Score, log_vit_model, register_run_model
 from pipelines.core.shards import class_names, num_classes
 from pipelines.image.finetune_data import iter_rows
 from pipelines.image.finetune_trial import latest_checkpoint
@@ -192,21 +192,31 @@ def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric
     tracking.log_dict_artifact(client, run_id, {"trial_id": best["trial_id"], "config": best_config,
                                                 metric: best["metric"], "test_top1": test_top1}, "best_config.json")
     tracking.set_tags(client, run_id, {"vitpipe.best_config": json.dumps(best_config), "vitpipe.best_trial": best["trial_id"]})
-    score = Score("test_top1", test_top1) if test_top1 is not None else Score(metric, float(best["metric"]), mode)
-    _log_best_model(client, run_id, model, registry_model, lineage, score)
+    _log_best_model(client, run_id, model)
+    if registry_model:
+        register_best_model(client, run_id, registry_model, lineage, sweep_score(metrics, metric, mode))
 
 
-def _log_best_model(client: Any, run_id: str, model: Any, registry_model: str | None, lineage: dict[str, str],
-                    score: Score) -> None:
-    """Log the best trial's checkpoint and MLflow model, and register it (the best version becomes `champion`)."""
+def _log_best_model(client: Any, run_id: str, model: Any) -> None:
+    """Log the best trial's checkpoint and MLflow model."""
     with tempfile.TemporaryDirectory() as tmp:
         vit.save_checkpoint(model, tmp)
         tracking.log_checkpoint_dir(client, run_id, tmp, "checkpoints/best")
         model_uri = log_vit_model(client, run_id, tmp)
-    tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri})
-    if registry_model:
-        version = register(client, registry_model, model_uri, run_id, lineage, run_tag=TAG_FINETUNE_RUN, score=score)
-        tracking.set_tags(client, run_id, {"vitpipe.registered_model": registry_model, "vitpipe.registered_version": version})
+    tracking.set_tags(client, run_id, {TAG_MODEL_URI: model_uri})
+
+
+def sweep_score(metrics: dict[str, float], metric: str, mode: str) -> Score:
+    """What a sweep's registered version is ranked by: the best trial's test top-1 where the data has a test
+    split, its sweep metric otherwise (`metrics`: the stage run's)."""
+    if "test_top1" in metrics:
+        return Score("test_top1", float(metrics["test_top1"]))
+    return Score(metric, float(metrics["best_metric"]), mode)
+
+
+def register_best_model(client: Any, run_id: str, name: str, lineage: dict[str, str], score: Score) -> str:
+    """Register a sweep's logged best model under `name` (the best version becomes `champion`)."""
+    return register_run_model(client, run_id, name, lineage, run_tag=TAG_FINETUNE_RUN, score=score)
 
 
 __all__ = [
@@ -216,6 +226,8 @@ __all__ = [
     "load_trial_model",
     "log_trial_curves",
     "pick_best",
+    "register_best_model",
     "report_sweep",
+    "sweep_score",
     "trial_outcomes",
 ]

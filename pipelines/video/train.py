@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 import vit
 from pipelines.core import tracking
-from pipelines.core.registry import RegistryName, Score, register
+from pipelines.core.registry import TAG_MODEL_URI, RegistryName, Score, register_run_model
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
@@ -249,21 +249,15 @@ def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialMod
     return fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
 
 
-def _log_model(config: VideoTrainConfig, client: Any, run_id: str, result: Any, tags: dict[str, str]) -> None:
-    """Log the final model (safetensors, no pickle) and register it when `registry_model` is set.
+def _register(client: Any, run_id: str, name: str, config: VideoTrainConfig, tags: dict[str, str]) -> None:
+    """Register the run's logged model as a version of `name` (once per run and name).
 
     The version's score is the first evaluation mode's test top-1, so `champion` marks the most accurate VTN.
     """
-    model_uri = log_outputs(client, run_id, result)
-    tracking.set_tags(client, run_id, {"vitpipe.model_uri": model_uri})
-    if config.registry_model:
-        lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
-        metric = f"{config.eval_modes[0]}_top1"
-        score = Score(metric, client.get_run(run_id).data.metrics[metric])
-        version = register(client, config.registry_model, model_uri, run_id, lineage, run_tag=TAG_VIDEO_RUN,
-                           score=score)
-        tracking.set_tags(client, run_id, {"vitpipe.registered_model": config.registry_model,
-                                           "vitpipe.registered_version": version})
+    lineage = {k: v for k, v in tags.items() if k in ("vitpipe.data_uri", "vitpipe.manifest_hash", TAG_BACKBONE_RUN)}
+    metric = f"{config.eval_modes[0]}_top1"
+    score = Score(metric, client.get_run(run_id).data.metrics[metric])
+    register_run_model(client, run_id, name, lineage, run_tag=TAG_VIDEO_RUN, score=score)
 
 
 def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None) -> VideoTrainResult:
@@ -279,6 +273,8 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     tags = _run_tags(config, manifest, initial)
     with stage_run(client, STAGE, config, run_identity(config, manifest), tags=tags) as run:
         if run.finished:
+            if config.registry_model:  # a finished run asked for under another name is registered there too
+                _register(client, run.run_id, config.registry_model, config, tags)
             return _result_from_run(client, run.run_id, reused=True)
         run.log_config({**config.model_dump(mode="json"), "frame_size": initial.frame_size,
                         "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()})
@@ -286,5 +282,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
         with result.checkpoint.as_directory() as final_dir:
             model = vit.load_checkpoint(final_dir)
         log_evaluation(client, run.run_id, model, config, manifest, initial.frame_size, classes)
-        _log_model(config, client, run.run_id, result, tags)
+        run.set_tags({TAG_MODEL_URI: log_outputs(client, run.run_id, result)})
+        if config.registry_model:
+            _register(client, run.run_id, config.registry_model, config, tags)
     return _result_from_run(client, run.run_id, reused=False)
