@@ -8,12 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from pipelines.core import shards
-from pipelines.core.datasets import PATCH_MEAN, PATCH_STD
+from pipelines.core.datasets import PATCH_MEAN, PATCH_STD, read_each_shard
 from pipelines.core.shards import read_manifest
 from pipelines.image.data import (
     augment_patches,
@@ -188,3 +189,19 @@ def test_manifest_split_counts_match_the_shards(tiny_dataset):
     m = read_manifest(tiny_dataset)
     for split in shards.SPLITS:
         assert len(stored_rows(tiny_dataset, split)) == m["counts"][split]
+
+
+def _paths_of_each_block(batch: dict) -> dict:
+    return {"paths": [",".join(sorted(set(batch["path"].tolist())))]}
+
+
+def test_read_each_shard_brings_every_shard_back_in_blocks_of_its_own(ray_cluster, tmp_path):
+    # Eight small shards: left to itself, Ray Data reads several of them in one task, as one block.
+    paths = []
+    for i in range(8):
+        pq.write_table(pa.table({"key": [f"{i}-{j}" for j in range(50)], "x": [i] * 50}), tmp_path / f"{i}.parquet")
+        paths.append(str(tmp_path / f"{i}.parquet"))
+    ds = read_each_shard(paths, None, ["key"])
+    blocks = ds.map_batches(_paths_of_each_block, batch_size=None).take_all()
+    assert sorted(b["paths"] for b in blocks) == sorted(paths)
+    assert ds.columns() == ["key", "path"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PATCH_MEAN", "PATCH_STD", "PassPlan", "key_seed", "read_items", "seeded_passes"]
+__all__ = ["PATCH_MEAN", "PATCH_STD", "PassPlan", "key_seed", "read_each_shard", "read_items", "seeded_passes"]
 
 PATCH_MEAN = 0.5  # per channel, on pixels scaled to [0, 1]
 PATCH_STD = 0.5
@@ -107,3 +107,30 @@ def seeded_passes(
         read_items, batch_size=None, batch_format="numpy",
         fn_kwargs={"plan": plan, "decode": decode, "decode_kwargs": fn_kwargs, "seed": seed, "batch_size": batch_size},
     )
+
+
+def read_each_shard(paths: Sequence[str], filesystem: Any, columns: Sequence[str]) -> Any:
+    """A Ray Dataset of `columns` plus `path` (as given) of the Parquet shards at `paths`: one task per shard,
+    which yields its row groups as they are read.
+
+    Not `ray.data.read_parquet`: its file partitioner packs files into read tasks of at least
+    `target_min_block_size` whatever `override_num_blocks` says, and a task's rows come back
+    together, so a stage writing one output per input shard could write nothing, nor keep
+    anything past a kill, until a whole pack was done.
+    """
+    import ray.data
+
+    items = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=max(1, len(paths)))
+    return items.map_batches(_read_shards, batch_size=None, batch_format="pyarrow",
+                             fn_kwargs={"filesystem": filesystem, "columns": list(columns)})
+
+
+def _read_shards(batch: Any, filesystem: Any, columns: list[str]) -> Iterator[Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for path in batch.column("path").to_pylist():
+        with pq.ParquetFile(filesystem.open_input_file(path) if filesystem else path) as shard:
+            for group in range(shard.num_row_groups):
+                table = shard.read_row_group(group, columns=columns)
+                yield table.append_column("path", pa.array([path] * table.num_rows, pa.string()))

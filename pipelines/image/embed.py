@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.cluster import connect
+from pipelines.core.datasets import read_each_shard
 from pipelines.core.stage_config import DataToOutput, load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
@@ -292,14 +293,11 @@ def _embedded_batches(work: _Work, filesystem: Any, paths: list[str]) -> Any:
     """The embedding rows of the ingest shards at `paths` (with each row's shard `path`), as the actor pool
     streams them back."""
     import ray
-    import ray.data
 
     config, manifest = work.config, work.manifest
     layout = {k: manifest[k] for k in ("patch_size", "image_size", "grid", "num_patches", "patch_dim")}
     columns = ["patches", "key", "split", *(["label"] if work.labeled else [])]
-    # One read task per shard, so each embedding shard is written (and kept past a kill) as soon as its rows are in.
-    ds = ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True, override_num_blocks=len(paths))
-    ds = ds.select_columns([*columns, "path"])
+    ds = read_each_shard(paths, filesystem, columns)  # each embedding shard is written as soon as its rows are in
     ds = ds.map_batches(
         PooledFeatures,
         fn_constructor_kwargs=dict(model=[ray.put(work.model)], layout=layout, size=work.identity["resolution"],

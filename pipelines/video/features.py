@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.errors import VitpipeError
+from pipelines.core.datasets import read_each_shard
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import DataToOutput, load_stage_config
@@ -255,12 +256,8 @@ def _feature_batches(config: VideoFeaturesConfig, initial: Any, bf16: bool, file
     """The feature rows of the video shards at `paths` (with each row's shard `path`), as the actor pool
     streams them back."""
     import ray
-    import ray.data
 
-    # One read task per shard: Ray Data would pack up to 128 MiB of files into one, whose rows all come
-    # back together, so no feature shard could be written (nor kept past a kill) before that much was done.
-    ds = (ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True, override_num_blocks=len(paths))
-          .select_columns([*video_shards.COLUMNS, "path"]))
+    ds = read_each_shard(paths, filesystem, video_shards.COLUMNS)  # each feature shard is written as soon as it can be
     threads = max(1, round(config.cpus_per_worker))
     ds = ds.map_batches(
         FrameFeatures, fn_constructor_kwargs=dict(model=[ray.put(initial.model)], frame_size=initial.frame_size,
