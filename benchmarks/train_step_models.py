@@ -172,6 +172,34 @@ def make_step(model: nn.Module, is_hf: bool, dtype: torch.dtype, images, labels,
     return step
 
 
+def make_bf16_master_step(model: nn.Module, images, labels) -> Callable[[], None]:
+    """One training step of a model whose weights are bf16, with an fp32 master copy in the optimizer.
+
+    No autocast: the residual stream, LayerNorms and weight reads run in bf16 (half the bytes of the
+    fp32 ones autocast keeps), while AdamW updates fp32 masters, copied back after each step.
+    Call with `model`'s weights still fp32 (the masters start from them); it casts the model.
+    """
+    master = [p.detach().float().clone() for p in model.parameters()]
+    for m in master:
+        m.grad = torch.zeros_like(m)
+    model.to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(master, lr=1e-5, weight_decay=0.05, fused=True)
+    images = images.to(torch.bfloat16)
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        loss = F.cross_entropy(model(images).float(), labels)
+        loss.backward()
+        torch._foreach_copy_([m.grad for m in master], [p.grad for p in params])
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, master)
+
+    return step
+
+
 # --- timing -------------------------------------------------------------------------------
 
 

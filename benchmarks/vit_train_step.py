@@ -5,7 +5,7 @@ The one run on a lent GPU (ViT-B/16 at 224, batch 256, bf16 autocast, fused Adam
 the JSON says how long it took):
 
     PYTHONPATH=. python benchmarks/vit_train_step.py --device cuda --compile both \
-        --variant cudnn-attention --variant cudagraphs --json
+        --variant cudnn-attention --variant bf16-master --json
 
 It prints img/s and MFU of ours and timm's `vit_base_patch16_224` (each eager and compiled), Hugging Face's
 ViT (eager), the measured bf16 matmul peak and the ratio ours/timm compiled. `--variant NAME` (repeatable)
