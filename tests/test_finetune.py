@@ -175,7 +175,7 @@ def test_a_finished_sweep_asked_for_under_another_name_is_registered_there_witho
         again = run_finetune(renamed)
         assert again.reused and again.run_id == sweep.result.run_id
     versions = sweep.client.search_model_versions("name = 'digits-transfer-renamed'")
-    assert [(v.version, v.run_id) for v in versions] == [("1", sweep.result.run_id)]
+    assert [(str(v.version), v.run_id) for v in versions] == [("1", sweep.result.run_id)]
     assert versions[0].tags["vitpipe.pretrain_run_id"] == pretrained.run_id
     assert versions[0].tags["vitpipe.score_metric"] == "test_top1"
     assert (again.registered_model, again.registered_version) == ("digits-transfer-renamed", "1")

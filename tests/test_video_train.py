@@ -175,7 +175,7 @@ def test_a_finished_run_asked_for_under_another_name_is_registered_there_without
         again = run_video_train(renamed)
         assert again.reused and again.run_id == result.run_id
     versions = client_of(config).search_model_versions("name = 'video-tests-vtn-renamed'")
-    assert [(v.version, v.run_id) for v in versions] == [("1", result.run_id)]
+    assert [(str(v.version), v.run_id) for v in versions] == [("1", result.run_id)]
     assert versions[0].tags["vitpipe.video_train_run_id"] == result.run_id
     assert again.registered_version == "1"
 
