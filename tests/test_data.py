@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
+import ray.data
 import torch
 
 from pipelines.core import shards
@@ -191,17 +193,26 @@ def test_manifest_split_counts_match_the_shards(tiny_dataset):
         assert len(stored_rows(tiny_dataset, split)) == m["counts"][split]
 
 
-def _paths_of_each_block(batch: dict) -> dict:
-    return {"paths": [",".join(sorted(set(batch["path"].tolist())))]}
+class _Unchanged:
+    def __call__(self, batch):
+        return batch
 
 
-def test_read_each_shard_brings_every_shard_back_in_blocks_of_its_own(ray_cluster, tmp_path):
-    # Eight small shards: left to itself, Ray Data reads several of them in one task, as one block.
+@pytest.mark.timeout(300)
+def test_read_each_shard_feeds_an_actor_pool_one_shard_per_block_even_when_the_actors_take_every_cpu(
+        ray_cluster, tmp_path):
+    # Eight small shards: read_parquet packs them into one read task; fused into the actors' tasks (same
+    # CPU request), each actor task would take a batch of 16 shard paths.
     paths = []
     for i in range(8):
         pq.write_table(pa.table({"key": [f"{i}-{j}" for j in range(50)], "x": [i] * 50}), tmp_path / f"{i}.parquet")
         paths.append(str(tmp_path / f"{i}.parquet"))
-    ds = read_each_shard(paths, None, ["key"])
-    blocks = ds.map_batches(_paths_of_each_block, batch_size=None).take_all()
-    assert sorted(b["paths"] for b in blocks) == sorted(paths)
+    ds = read_each_shard(paths, None, ["key"], readers=2)
     assert ds.columns() == ["key", "path"]
+    cpus = int(ray.cluster_resources()["CPU"])
+    ds = ds.map_batches(_Unchanged, batch_size=16, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cpus),
+                        num_cpus=1)
+    blocks = [set(b["path"].to_pylist()) for b in ds.iter_batches(batch_size=None, batch_format="pyarrow")]
+    assert all(len(b) == 1 for b in blocks), blocks
+    assert sorted(p for b in blocks for p in b) == sorted(paths)
+

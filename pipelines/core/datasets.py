@@ -109,19 +109,22 @@ def seeded_passes(
     )
 
 
-def read_each_shard(paths: Sequence[str], filesystem: Any, columns: Sequence[str]) -> Any:
-    """A Ray Dataset of `columns` plus `path` (as given) of the Parquet shards at `paths`: one task per shard,
-    which yields its row groups as they are read.
+def read_each_shard(paths: Sequence[str], filesystem: Any, columns: Sequence[str], readers: int) -> Any:
+    """A Ray Dataset of `columns` plus `path` (as given) of the Parquet shards at `paths`: one block per shard,
+    from at most `readers` zero-CPU tasks at a time, each yielding its shard's row groups as they are read.
 
     Not `ray.data.read_parquet`: its file partitioner packs files into read tasks of at least
     `target_min_block_size` whatever `override_num_blocks` says, and a task's rows come back
-    together, so a stage writing one output per input shard could write nothing, nor keep
-    anything past a kill, until a whole pack was done.
+    together, so a stage writing one output per input shard wrote nothing, nor kept anything
+    past a kill, until a whole pack was done. Zero CPUs: the reads never fuse into a following
+    actor pool (whose tasks would then each take a batch of shard paths, not of rows), and
+    never wait for a CPU those actors hold.
     """
     import ray.data
 
     items = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=max(1, len(paths)))
-    return items.map_batches(_read_shards, batch_size=None, batch_format="pyarrow",
+    return items.map_batches(_read_shards, batch_size=None, batch_format="pyarrow", num_cpus=0,
+                             compute=ray.data.TaskPoolStrategy(size=max(1, readers)),
                              fn_kwargs={"filesystem": filesystem, "columns": list(columns)})
 
 

@@ -172,18 +172,10 @@ def run_identity(config: EmbedConfig, manifest: dict[str, Any], weights: str, mo
 
 
 def _resolve_device(config: EmbedConfig) -> tuple[float, str, str]:
-    """GPUs per actor, the device type they make, and the precision the forward runs at there.
-
-    A one-line ValueError when the actors would take every CPU: the tasks reading the shards would then
-    wait for one forever.
-    """
+    """GPUs per actor, the device type they make, and the precision the forward runs at there."""
     import ray
     import torch
 
-    cpus, taken = ray.cluster_resources().get("CPU", 0), config.num_workers * config.cpus_per_worker
-    if taken > cpus - 1:
-        raise ValueError(f"num_workers x cpus_per_worker: {taken:g} CPUs for the actors leave none of the cluster's "
-                         f"{cpus:g} to read the shards; ask for at most {max(cpus - 1, 0):g}")
     gpus = config.num_gpus if config.num_gpus is not None else float(ray.cluster_resources().get("GPU", 0) > 0)
     device = "cuda" if gpus > 0 else "cpu"
     if config.precision != "auto" or device == "cpu":
@@ -297,7 +289,7 @@ def _embedded_batches(work: _Work, filesystem: Any, paths: list[str]) -> Any:
     config, manifest = work.config, work.manifest
     layout = {k: manifest[k] for k in ("patch_size", "image_size", "grid", "num_patches", "patch_dim")}
     columns = ["patches", "key", "split", *(["label"] if work.labeled else [])]
-    ds = read_each_shard(paths, filesystem, columns)  # each embedding shard is written as soon as its rows are in
+    ds = read_each_shard(paths, filesystem, columns, readers=2 * config.num_workers)  # two shards ready per actor
     ds = ds.map_batches(
         PooledFeatures,
         fn_constructor_kwargs=dict(model=[ray.put(work.model)], layout=layout, size=work.identity["resolution"],

@@ -257,7 +257,7 @@ def _feature_batches(config: VideoFeaturesConfig, initial: Any, bf16: bool, file
     streams them back."""
     import ray
 
-    ds = read_each_shard(paths, filesystem, video_shards.COLUMNS)  # each feature shard is written as soon as it can be
+    ds = read_each_shard(paths, filesystem, video_shards.COLUMNS, readers=2 * config.num_workers)  # two per actor
     threads = max(1, round(config.cpus_per_worker))
     ds = ds.map_batches(
         FrameFeatures, fn_constructor_kwargs=dict(model=[ray.put(initial.model)], frame_size=initial.frame_size,
