@@ -1,5 +1,5 @@
 """A fault-injecting HTTP proxy for tests: it sits between a client and a real server
-(moto's S3 server) on 127.0.0.1 and makes chosen GETs fail the way a busy S3 does.
+(moto's S3 server) on 127.0.0.1 and makes chosen GETs (or HEADs) fail the way a busy S3 does.
 
 Faults, per object key and for a chosen number of requests (or for ever):
 * `slowdown`: answer `503 SlowDown` with S3's XML error body;
@@ -7,6 +7,8 @@ Faults, per object key and for a chosen number of requests (or for ever):
 * `denied`: answer `403 AccessDenied`, as S3 does when a policy forbids reading that object;
 * `reset`: reset the TCP connection before any response;
 * `truncate`: forward the request, then send the response head and half the body and reset.
+
+A HEAD is answered as S3 answers one: the status line and no body.
 
 Every other request is forwarded byte for byte (a SigV4 signature covers the Host header
 the client sent, which stays as it was). One request per connection: the proxy adds
@@ -43,7 +45,7 @@ class FaultProxy:
         self.lifetime = lifetime
         self.injected: Counter[tuple[str, str]] = Counter()  # (key, fault) -> times done
         self.served: Counter[str] = Counter()  # key -> GETs forwarded untouched
-        self._plan: dict[str, tuple[str, int | None]] = {}
+        self._plan: dict[tuple[str, str], tuple[str, int | None]] = {}  # (method, key) -> (fault, times left)
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._server = _Server(("127.0.0.1", 0), _Handler)
@@ -56,12 +58,13 @@ class FaultProxy:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def fail(self, key: str, fault: str, times: int | None = 1) -> None:
-        """Make the next `times` GETs of `key` (a bucket-relative object key) fail; None: every one."""
-        if fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}")
+    def fail(self, key: str, fault: str, times: int | None = 1, method: str = "GET") -> None:
+        """Make the next `times` `method` requests ("GET" or "HEAD") of `key` (a bucket-relative object key)
+        fail; None: every one."""
+        if fault not in FAULTS or method not in ("GET", "HEAD") or (method == "HEAD" and fault not in _ANSWERS):
+            raise ValueError(f"fault must be one of {FAULTS}, on GET; or of {tuple(_ANSWERS)} on HEAD")
         with self._lock:
-            self._plan[key] = (fault, times)
+            self._plan[method, key] = (fault, times)
 
     def clear(self) -> None:
         """No more faults."""
@@ -83,16 +86,14 @@ class FaultProxy:
         self._server.server_close()
 
     def _fault_for(self, method: str, target: str) -> tuple[str, str] | None:
-        if method != "GET":
-            return None
         path = unquote(urlsplit(target).path)
         with self._lock:
-            for key, (fault, times) in self._plan.items():
-                if path.endswith("/" + key):
+            for (planned, key), (fault, times) in self._plan.items():
+                if planned == method and path.endswith("/" + key):
                     if times is not None:
                         if times <= 0:
                             continue
-                        self._plan[key] = (fault, times - 1)
+                        self._plan[planned, key] = (fault, times - 1)
                     self.injected[key, fault] += 1
                     return key, fault
             return None
@@ -125,8 +126,8 @@ class _Handler(socketserver.BaseRequestHandler):
         fault = proxy._fault_for(method, target)
         if fault is not None and fault[1] in _ANSWERS:
             status, code, message = _ANSWERS[fault[1]]
-            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                    f"<Message>{message}</Message></Error>").encode()
+            body = b"" if method == "HEAD" else (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                                                 f"<Message>{message}</Message></Error>").encode()
             client.sendall(f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
                            "Connection: close\r\n\r\n".encode() + body)
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +44,9 @@ def proxy(s3_env):
         yield running
 
 
-def _config(source: str, output: Path, proxy: FaultProxy, max_reject_fraction: float = 0.0) -> IngestConfig:
+def _config(source: str, output: Path, proxy: FaultProxy, max_reject_fraction: float = 0.0, **fields) -> IngestConfig:
     return IngestConfig(source=source, output=str(output), endpoint_url=proxy.url, image_size=16, patch_size=4,
-                        shard_size=8, max_reject_fraction=max_reject_fraction)
+                        shard_size=8, max_reject_fraction=max_reject_fraction, **fields)
 
 
 def _stored_keys(output: Path) -> list[str]:
@@ -106,6 +107,33 @@ def test_an_object_refused_access_is_read_again_by_a_rerun_once_allowed(ray_clus
     assert _stored_keys(tmp_path / "out") == sorted(KEYS)
 
 
+def _tar(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_throttled_open_of_a_tar_shard_is_retried_and_loses_no_sample(ray_cluster, s3_env, s3_bucket, proxy,
+                                                                       tmp_path, monkeypatch):
+    # pyarrow opens each file with a HEAD, and S3 answers a HEAD's 503 with no body: no code, only its status.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    rng = np.random.default_rng(1)
+    members = {}
+    for i in range(4):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
+        members |= {f"s{i}.jpg": buf.getvalue(), f"s{i}.cls": str(i % 2).encode()}
+    s3_env.client().put_object(Bucket=s3_bucket, Key="tars/000000.tar", Body=_tar(members))
+    proxy.fail("tars/000000.tar", "slowdown", 4, method="HEAD")  # past pyarrow's own attempts: Ray runs it again
+    result = run_ingest(_config(f"s3://{s3_bucket}/tars", tmp_path / "out", proxy, input_format="webdataset"))
+    assert result.counts["images"] == 4 and result.counts["rejected"] == 0
+    assert proxy.injected["tars/000000.tar", "slowdown"] == 4
+
+
 def _error(code: str, status: int) -> ClientError:
     return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
                        "GetObject")
@@ -121,6 +149,19 @@ def test_only_causes_that_may_pass_are_transient(code, status, transient):
     err = storage_error("s3://b/k.jpg", _error(code, status))
     assert isinstance(err, TransientStorageError) == transient and isinstance(err, StorageError)
     assert err.message.startswith("s3://b/k.jpg: ")
+
+
+@pytest.mark.parametrize(
+    ("text", "transient"),
+    [("AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body.", True),
+     ("AWS Error UNKNOWN (HTTP status 429) during HeadObject operation: No response body.", True),
+     ("AWS Error UNKNOWN (HTTP status 400) during GetObject operation: ExceptionName: ExpiredToken", True),
+     ("AWS Error UNKNOWN (HTTP status 404) during HeadObject operation: No response body.", False),
+     ("AWS Error ACCESS_DENIED during HeadObject operation: No response body.", False)],
+)
+def test_a_pyarrow_error_without_an_s3_code_is_transient_by_its_status(text, transient):
+    err = storage_error("s3://b/k.tar", OSError(f"When reading information for key 'k.tar' in bucket 'b': {text}"))
+    assert isinstance(err, TransientStorageError) == transient
 
 
 # ---------------------------------------------------------------- what Ray tasks receive

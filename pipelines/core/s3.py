@@ -11,6 +11,7 @@ Retries are configured here, once, for boto3 and pyarrow alike.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -130,7 +131,10 @@ _TRANSIENT_CODES = {
     "ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired",
 }
 _ARROW_TRANSIENT = ("NETWORK_CONNECTION", "SLOW_DOWN", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "THROTTLING",
-                    "REQUEST_TIMEOUT", "EXPIRED_TOKEN")
+                    "REQUEST_TIMEOUT", "EXPIRED_TOKEN", "ExpiredToken")
+# An error answered without a body (every HEAD: pyarrow opens each file with one) has no S3 code, only
+# "UNKNOWN (HTTP status 503)"; its status decides, as for boto3's errors.
+_ARROW_STATUS = re.compile(r"\(HTTP status (\d{3})\)")
 
 
 def storage_error(uri: str, exc: BaseException, settings: S3Settings | None = None) -> StorageError:
@@ -187,7 +191,7 @@ def _cause(exc: BaseException, settings: S3Settings | None) -> tuple[str, bool]:
     if isinstance(exc, PermissionError):
         return "permission denied", False
     if isinstance(exc, OSError) and "AWS Error" in str(exc):
-        return _arrow_cause(str(exc)), any(marker in str(exc) for marker in _ARROW_TRANSIENT)
+        return _arrow_cause(str(exc)), _arrow_transient(str(exc))
     return f"{type(exc).__name__}: {_first_line(exc)}", False
 
 
@@ -205,6 +209,13 @@ def _client_error_cause(exc: Any) -> tuple[str, bool]:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _arrow_transient(text: str) -> bool:
+    """Whether a pyarrow S3 error may pass: its code says so, or its HTTP status is 5xx or 429."""
+    status = _ARROW_STATUS.search(text)
+    return any(marker in text for marker in _ARROW_TRANSIENT) or (
+        status is not None and (int(status.group(1)) >= 500 or status.group(1) == "429"))
 
 
 def _arrow_cause(text: str) -> str:
