@@ -199,6 +199,23 @@ def test_ray_trains_filesystem_carries_no_secret(s3_env, s3_bucket):
     assert path == f"{s3_bucket}/runs"
 
 
+def _size_of(filesystem, path: str) -> int:
+    return filesystem.get_file_info(path).size  # one HEAD
+
+
+def test_a_filesystem_pickled_to_a_ray_worker_keeps_its_retries(ray_cluster, s3_env, s3_bucket):
+    import ray
+
+    from tests.fault_proxy import FaultProxy
+
+    s3_env.client().put_object(Bucket=s3_bucket, Key="retry/x.bin", Body=b"abc")
+    with FaultProxy(s3_env.endpoint_url) as proxy:
+        proxy.fail("retry/x.bin", "slowdown", 4, method="HEAD")  # past pyarrow's default of 3 attempts
+        filesystem = S3Settings(proxy.url, max_attempts=6).arrow_filesystem()
+        size = ray.get(ray.remote(_size_of).remote(filesystem, f"{s3_bucket}/retry/x.bin"))
+    assert size == 3 and proxy.injected["retry/x.bin", "slowdown"] == 4
+
+
 def _s3_error(s3_server, uri, endpoint_url=None, keys=None):
     """The one-line error of checking `uri`, with the server's keys (or `keys`) in this process's chain."""
     access_key, secret_key = keys or (s3_server.access_key, s3_server.secret_key)

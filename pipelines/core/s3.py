@@ -74,19 +74,16 @@ class S3Settings:
         return boto3.session.Session(botocore_session=core).client(service, **kwargs)
 
     def arrow_filesystem(self) -> Any:
-        """A `pyarrow.fs.S3FileSystem` with these settings; it resolves credentials in the process that uses it."""
-        import pyarrow.fs as pafs
+        """A `pyarrow.fs.S3FileSystem` with these settings, also once pickled to a Ray worker; it resolves
+        credentials in the process that uses it."""
+        from pipelines.core.arrow_s3 import RetryingS3FileSystem
 
-        kwargs: dict[str, Any] = {
-            "region": self.region,
-            "connect_timeout": 5,
-            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=self.max_attempts),
-        }
+        kwargs: dict[str, Any] = {"region": self.region, "connect_timeout": 5}
         if self.endpoint_url:
             parts = urlsplit(self.endpoint_url)
             kwargs["endpoint_override"] = parts.netloc
             kwargs["scheme"] = parts.scheme
-        return pafs.S3FileSystem(**kwargs)
+        return RetryingS3FileSystem(self.max_attempts, **kwargs)
 
 
 def parse_timestamp(value: Any) -> datetime:
