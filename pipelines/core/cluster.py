@@ -7,7 +7,8 @@ from typing import Any
 
 
 def connect(address: str | None = None, **local: Any) -> None:
-    """Connect this process to Ray unless it already is: to `address`, else to `$RAY_ADDRESS`, else a local cluster.
+    """Connect this process to Ray unless it already is: to `address`, else to `$RAY_ADDRESS`, else (Ray's own
+    rule) to a cluster `ray start` left running on this machine, else to a new local one.
 
     `local` are `ray.init` arguments for a cluster this call starts (`address="local"`), such as
     `object_store_memory`; Ray refuses them when joining a running cluster, whose head decided them.
