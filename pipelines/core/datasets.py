@@ -124,7 +124,7 @@ def read_each_shard(paths: Sequence[str], filesystem: Any, columns: Sequence[str
 
     items = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=max(1, len(paths)))
     return items.map_batches(_read_shards, batch_size=None, batch_format="pyarrow", num_cpus=0,
-                             compute=ray.data.TaskPoolStrategy(size=max(1, readers)),
+                             compute=ray.data.TaskPoolStrategy(size=max(1, min(readers, len(paths)))),
                              fn_kwargs={"filesystem": filesystem, "columns": list(columns)})
 
 
