@@ -133,7 +133,7 @@ def _read_shards(batch: Any, filesystem: Any, columns: list[str]) -> Iterator[An
     import pyarrow.parquet as pq
 
     for path in batch.column("path").to_pylist():
-        with pq.ParquetFile(filesystem.open_input_file(path) if filesystem else path) as shard:
+        with pq.ParquetFile(path, filesystem=filesystem) as shard:  # closes the file it opened
             for group in range(shard.num_row_groups):
                 table = shard.read_row_group(group, columns=columns)
                 yield table.append_column("path", pa.array([path] * table.num_rows, pa.string()))
