@@ -76,7 +76,7 @@ class S3Settings:
     def arrow_filesystem(self) -> Any:
         """A `pyarrow.fs.S3FileSystem` with these settings, also once pickled to a Ray worker; it resolves
         credentials in the process that uses it."""
-        from pipelines.core.arrow_s3 import RetryingS3FileSystem
+        from pipelines.core.arrow_s3 import RetryingS3FileSystem  # deferred: it imports pyarrow
 
         kwargs: dict[str, Any] = {"region": self.region, "connect_timeout": 5}
         if self.endpoint_url:
