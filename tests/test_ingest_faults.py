@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from pipelines.core.errors import StorageError, StoreAccessError, TransientStora
 from pipelines.core.ingest import IngestKind, run_sharded_ingest
 from pipelines.core.s3 import storage_error
 from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.corpus_files import jpeg, webdataset_tar
 from tests.fault_proxy import FaultProxy
 
 KEYS = [f"class{c}/{i:02d}.jpg" for c in range(3) for i in range(8)]
@@ -107,27 +107,12 @@ def test_an_object_refused_access_is_read_again_by_a_rerun_once_allowed(ray_clus
     assert _stored_keys(tmp_path / "out") == sorted(KEYS)
 
 
-def _tar(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def test_a_throttled_open_of_a_tar_shard_is_retried_and_loses_no_sample(ray_cluster, s3_env, s3_bucket, proxy,
                                                                        tmp_path, monkeypatch):
     # pyarrow opens each file with a HEAD, and S3 answers a HEAD's 503 with no body: no code, only its status.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    rng = np.random.default_rng(1)
-    members = {}
-    for i in range(4):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
-        members |= {f"s{i}.jpg": buf.getvalue(), f"s{i}.cls": str(i % 2).encode()}
-    s3_env.client().put_object(Bucket=s3_bucket, Key="tars/000000.tar", Body=_tar(members))
+    tar = webdataset_tar([{f"s{i}.jpg": jpeg(i), f"s{i}.cls": str(i % 2).encode()} for i in range(4)])
+    s3_env.client().put_object(Bucket=s3_bucket, Key="tars/000000.tar", Body=tar)
     proxy.fail("tars/000000.tar", "slowdown", 4, method="HEAD")  # past pyarrow's own attempts: Ray runs it again
     result = run_ingest(_config(f"s3://{s3_bucket}/tars", tmp_path / "out", proxy, input_format="webdataset"))
     assert result.counts["images"] == 4 and result.counts["rejected"] == 0

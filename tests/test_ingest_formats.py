@@ -7,23 +7,15 @@ import io
 import json
 import tarfile
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from pipelines.core import shards
 from pipelines.core.shards import read_manifest
 from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.corpus_files import jpeg, webdataset_tar
 from tests.process_output import result_json
-
-
-def _jpeg(seed: int, side: int = 20) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
 
 
 def _ingest(s3_server, source: str, output: str, **fields):
@@ -59,7 +51,7 @@ def loose_images(ray_cluster, s3_server):
     client.create_bucket(Bucket=bucket)
     keys = [f"{i:02d}.jpg" for i in range(6)] + [f"day{d}/{i:02d}.jpg" for d in range(2) for i in range(5)]
     for i, key in enumerate(keys):
-        client.put_object(Bucket=bucket, Key=f"loose/{key}", Body=_jpeg(i))
+        client.put_object(Bucket=bucket, Key=f"loose/{key}", Body=jpeg(i))
     return bucket, keys
 
 
@@ -96,20 +88,8 @@ def test_an_unlabeled_ingest_takes_no_label_manifest():
 # ---------------------------------------------------------------- WebDataset tar shards
 
 
-def _tar(samples: list[dict[str, bytes]]) -> bytes:
-    """A WebDataset shard: each sample's members `<key>.<suffix>`, in order."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for sample in samples:
-            for name, data in sample.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def _wds_shard(shard: int, n: int = 4) -> bytes:
-    return _tar([{f"s{shard}-{i}.jpg": _jpeg(10 * shard + i), f"s{shard}-{i}.cls": str(i % 3).encode(),
+    return webdataset_tar([{f"s{shard}-{i}.jpg": jpeg(10 * shard + i), f"s{shard}-{i}.cls": str(i % 3).encode(),
                   f"s{shard}-{i}.json": json.dumps({"y": 7}).encode()} for i in range(n)])
 
 
@@ -167,8 +147,8 @@ def damaged(ray_cluster, s3_server):
     whole = _wds_shard(1)
     third = tarfile.open(fileobj=io.BytesIO(whole)).getmember("s1-2.jpg").offset  # where the third sample begins
     cut = third + 700  # inside its image's data
-    bad = _tar([{"a.jpg": b"not a jpeg", "a.cls": b"0"}, {"b.cls": b"1"}, {"c.jpg": _jpeg(5), "c.cls": b"dog"},
-                {"d.jpg": _jpeg(6), "d.cls": b"2"}])
+    bad = webdataset_tar([{"a.jpg": b"not a jpeg", "a.cls": b"0"}, {"b.cls": b"1"}, {"c.jpg": jpeg(5), "c.cls": b"dog"},
+                {"d.jpg": jpeg(6), "d.cls": b"2"}])
     for name, body in (("000000.tar", _wds_shard(0)), ("000001.tar", whole[:cut]), ("000002.tar", bad)):
         client.put_object(Bucket="formats-damaged", Key=f"tars/{name}", Body=body)
     return "formats-damaged", third
@@ -210,7 +190,7 @@ def tables(ray_cluster, s3_server):
     client = s3_server.client()
     client.create_bucket(Bucket="formats-parquet")
     for part in range(2):
-        images = [{"bytes": _jpeg(100 * part + i), "path": f"{i}.jpg"} for i in range(5)]
+        images = [{"bytes": jpeg(100 * part + i), "path": f"{i}.jpg"} for i in range(5)]
         if part == 1:
             images[1] = {"bytes": b"\xff\xd8 broken", "path": "broken.jpg"}
             images[3] = {"bytes": None, "path": "elsewhere.jpg"}
