@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
-from pipelines.core.registry import RegistryName
+from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_MODEL, TAG_REGISTERED_VERSION, RegistryName
 from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import is_s3_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
@@ -247,8 +247,8 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> FinetuneResult:
     statuses = json.loads(tags.get("vitpipe.trial_statuses", "{}"))
     return FinetuneResult(
         run_id=run_id, best_config=best, best_metric=metrics.get("best_metric"), test_accuracy=metrics.get("test_top1"),
-        model_uri=tags.get("vitpipe.model_uri"), registered_model=tags.get("vitpipe.registered_model"),
-        registered_version=tags.get("vitpipe.registered_version"), num_trials=len(statuses), trial_status=statuses,
+        model_uri=tags.get(TAG_MODEL_URI), registered_model=tags.get(TAG_REGISTERED_MODEL),
+        registered_version=tags.get(TAG_REGISTERED_VERSION), num_trials=len(statuses), trial_status=statuses,
         experiment_path=tags.get("vitpipe.experiment_path", ""), reused=reused,
     )
 

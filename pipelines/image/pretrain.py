@@ -28,6 +28,7 @@ from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
+from pipelines.core.registry import TAG_MODEL_URI
 from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.stage_config import load_stage_config
@@ -257,7 +258,7 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> PretrainResult:
         run_id=run_id,
         final_checkpoint=f"runs:/{run_id}/checkpoints/final",
         best_checkpoint=f"runs:/{run_id}/checkpoints/best",
-        model_uri=run.data.tags.get("vitpipe.model_uri"),
+        model_uri=run.data.tags.get(TAG_MODEL_URI),
         storage_path=run.data.tags.get("vitpipe.storage_path", ""),
         metrics=dict(run.data.metrics),
         resumed="vitpipe.resumed_from_step" in run.data.tags,
@@ -299,7 +300,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
             hooks=pretrain_hooks(config, manifest),
         )
         result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
-        run.set_tags({"vitpipe.model_uri": log_outputs(client, run.run_id, result) or ""})
+        run.set_tags({TAG_MODEL_URI: log_outputs(client, run.run_id, result) or ""})
         with result.checkpoint.as_directory() as final_dir:
             if config.objective == "mae":
                 log_mae_outputs(client, run.run_id, config, manifest, final_dir)

@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 import vit
 from pipelines.core import tracking
-from pipelines.core.registry import TAG_MODEL_URI, RegistryName, Score, register_run_model
+from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_VERSION, RegistryName, Score, register_run_model
 from pipelines.core.uris import strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
@@ -198,9 +198,9 @@ def _result_from_run(client: Any, run_id: str, reused: bool) -> VideoTrainResult
             table = []
     return VideoTrainResult(
         run_id=run_id, final_checkpoint=f"runs:/{run_id}/checkpoints/final",
-        model_uri=run.data.tags.get("vitpipe.model_uri") or None,
+        model_uri=run.data.tags.get(TAG_MODEL_URI) or None,
         storage_path=run.data.tags.get("vitpipe.storage_path", ""), metrics=dict(run.data.metrics), evaluation=table,
-        registered_version=run.data.tags.get("vitpipe.registered_version"),
+        registered_version=run.data.tags.get(TAG_REGISTERED_VERSION),
         resumed="vitpipe.resumed_from_step" in run.data.tags, reused=reused,
     )
 
