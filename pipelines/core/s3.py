@@ -197,7 +197,7 @@ def _client_error_cause(exc: Any) -> tuple[str, bool]:
     meta = exc.response.get("ResponseMetadata", {})
     code = str(err.get("Code", ""))
     status = int(meta.get("HTTPStatusCode") or 0)
-    transient = code in _TRANSIENT_CODES or status >= 500 or status == 429
+    transient = code in _TRANSIENT_CODES or _transient_status(status)
     cause = _S3_CAUSES.get(code) or f"S3 error {code}: {err.get('Message', '')}".strip().rstrip(":")
     if transient:
         cause += f" (after {int(meta.get('RetryAttempts', 0)) + 1} attempts)"
@@ -208,11 +208,16 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
+def _transient_status(status: int) -> bool:
+    """Whether an HTTP status says "try again later": 5xx or 429."""
+    return status >= 500 or status == 429
+
+
 def _arrow_transient(text: str) -> bool:
-    """Whether a pyarrow S3 error may pass: its code says so, or its HTTP status is 5xx or 429."""
+    """Whether a pyarrow S3 error may pass: its code says so, or its HTTP status does."""
     status = _ARROW_STATUS.search(text)
     return any(marker in text for marker in _ARROW_TRANSIENT) or (
-        status is not None and (int(status.group(1)) >= 500 or status.group(1) == "429"))
+        status is not None and _transient_status(int(status.group(1))))
 
 
 def _arrow_cause(text: str) -> str:
