@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from train_step_models import adamw  # this script's folder is on sys.path when it runs
 
 
 DECODER_RE = re.compile(r"^(\d+)d(\d+)b(\d+)h$")
@@ -88,7 +89,7 @@ def _steps(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     compiled = getattr(args, "compile", "none") == "only"
 
     def make(model, loss_of) -> Callable[[], None]:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.05, fused=True)
+        opt = adamw(model.parameters())
         run = torch.compile(model) if compiled else model  # the same parameters, a fused forward and backward
 
         def step() -> None:

@@ -150,6 +150,11 @@ def call_hf(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return model(pixel_values=images).logits
 
 
+def adamw(params) -> torch.optim.Optimizer:
+    """The one optimizer setting every benchmarked step uses."""
+    return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.05, fused=True)
+
+
 def make_step(model: nn.Module, is_hf: bool, dtype: torch.dtype, images, labels,
               call: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> Callable[[], None]:
     """One training step of `model` (maybe compiled) as a closure; the optimizer is the same kind for all.
@@ -158,7 +163,7 @@ def make_step(model: nn.Module, is_hf: bool, dtype: torch.dtype, images, labels,
     images' device.
     """
     call = call or (call_hf if is_hf else call_images)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.05, fused=True)
+    opt = adamw(model.parameters())
     device_type = images.device.type
 
     def step() -> None:
@@ -184,7 +189,7 @@ def make_bf16_master_step(model: nn.Module, images, labels) -> Callable[[], None
         m.grad = torch.zeros_like(m)
     model.to(torch.bfloat16)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(master, lr=1e-5, weight_decay=0.05, fused=True)
+    opt = adamw(master)
     images = images.to(torch.bfloat16)
 
     def step() -> None:
