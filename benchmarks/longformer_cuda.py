@@ -9,8 +9,10 @@ Imports only torch and `vit` (the GPU machine has neither Ray nor MLflow). 12 he
                      without / with 4 global tokens (the first, last and two between)
 - ours_flex_d1:      the same call with `kernel="flex"`, dilation 1, no globals
 - ours_flex_d1_g / ours_flex_d2_g: the same call with `kernel="flex"`, dilation 1 / 2, the globals
-- ours_flex_d1_g_shared: ours_flex_d1_g with one copy of the global-key block shared by every query
-                     block (`GLOBAL_GROUP` past the block count), the layout before the copies
+                     (the default `GLOBAL_KEYS = "merge"`: band by FlexAttention, global keys merged
+                     by logsumexp)
+- ours_flex_d1_g_prefix: ours_flex_d1_g with `GLOBAL_KEYS = "prefix"`: the global keys as a key block
+                     in front, one copy per `GLOBAL_GROUP` query blocks
 - plain_flex_swa:    `flex_attention` with a plain sliding-window block mask (|i - j| <= 256): no
                      dilation, no globals, no padding (the usual FlexAttention example)
 - dense_sdpa_flash:  full `scaled_dot_product_attention` on the flash backend
@@ -19,8 +21,8 @@ Time: median of `--reps` passes measured with CUDA events, the rows taking turns
 (which also compiles FlexAttention for each shape). Memory: `torch.cuda.max_memory_allocated`
 over one pass, reset before it; q, k, v and the output gradient (shared by all rows) are included.
 A row that fails (out of memory, say) is reported with its error; the others still run. Also: the
-largest absolute and relative difference of ours_flex from ours_banded, both bf16, at N = 4096 with
-global tokens and padding, for the output and for dq.
+largest absolute and relative difference of ours_flex (each `GLOBAL_KEYS` layout) from ours_banded,
+both bf16, at N = 4096 with global tokens and padding, for the output and for dq.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import time
 
 HEADS, DIM, WINDOW, NUM_GLOBALS = 12, 64, 512, 4
-ROWS = ("ours_banded_d1", "ours_banded_d1_g", "ours_flex_d1", "ours_flex_d1_g", "ours_flex_d1_g_shared",
+ROWS = ("ours_banded_d1", "ours_banded_d1_g", "ours_flex_d1", "ours_flex_d1_g", "ours_flex_d1_g_prefix",
         "ours_flex_d2_g", "plain_flex_swa", "dense_sdpa_flash")
 
 
@@ -52,19 +54,10 @@ def _forward(name: str, q, k, v, global_mask):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from vit.attention import sliding_window_attention
-    from vit import flex_longformer
     from vit.flex_longformer import GLOBAL_GROUP, _cached_block_mask, _compiled_flex  # deferred: the kernel's cache
 
-    if name == "ours_flex_d1_g_shared":
-        copied = _forward("ours_flex_d1_g", q, k, v, global_mask)
-
-        def shared():  # the block mask and K/V layout are made in the forward; the backward reuses them
-            flex_longformer.GLOBAL_GROUP = 1 << 30
-            try:
-                return copied()
-            finally:
-                flex_longformer.GLOBAL_GROUP = GLOBAL_GROUP
-        return shared
+    if name == "ours_flex_d1_g_prefix":
+        return _with_global_keys("prefix", _forward("ours_flex_d1_g", q, k, v, global_mask))
     if name.startswith("ours_"):
         kernel, dilation = name.split("_")[1], int(name.split("_d")[1][0])
         globals_ = global_mask if name.endswith("_g") else None
@@ -84,6 +77,19 @@ def _forward(name: str, q, k, v, global_mask):
                 return F.scaled_dot_product_attention(q, k, v)
         return dense
     raise ValueError(f"unknown row {name!r}; choose from {ROWS}")
+
+
+def _with_global_keys(layout: str, forward):
+    """`forward` run with `vit.flex_longformer.GLOBAL_KEYS = layout` (the backward reuses what it made)."""
+    from vit import flex_longformer
+
+    def run():
+        saved, flex_longformer.GLOBAL_KEYS = flex_longformer.GLOBAL_KEYS, layout
+        try:
+            return forward()
+        finally:
+            flex_longformer.GLOBAL_KEYS = saved
+    return run
 
 
 def _step(forward, inputs, grad):
@@ -147,17 +153,20 @@ def _agreement(n: int = 4096) -> dict:
     out = {}
     for dilation in (1, 2):
         results = {}
-        for kernel in ("banded", "flex"):
+        for kernel, layout in (("banded", "merge"), ("flex", "merge"), ("flex", "prefix")):
             for t in (q, k, v):
                 t.grad = None
-            y = sliding_window_attention(q, k, v, window=WINDOW, dilation=dilation, global_mask=global_mask,
-                                         padding_mask=padding, kernel=kernel)
+            y = _with_global_keys(layout, lambda: sliding_window_attention(
+                q, k, v, window=WINDOW, dilation=dilation, global_mask=global_mask, padding_mask=padding,
+                kernel=kernel))()
             y.backward(grad)
-            results[kernel] = (y.detach().float(), q.grad.float())
-        for what, i in (("out", 0), ("dq", 1)):
-            ref, got = results["banded"][i], results["flex"][i]
-            diff = (got - ref).abs().max().item()
-            out[f"d{dilation}_{what}"] = {"max_abs": round(diff, 5), "max_rel": round(diff / ref.abs().max().item(), 5)}
+            results[kernel if kernel == "banded" else layout] = (y.detach().float(), q.grad.float())
+        for layout in ("merge", "prefix"):
+            for what, i in (("out", 0), ("dq", 1)):
+                ref, got = results["banded"][i], results[layout][i]
+                diff = (got - ref).abs().max().item()
+                out[f"d{dilation}_{layout}_{what}"] = {"max_abs": round(diff, 5),
+                                                       "max_rel": round(diff / ref.abs().max().item(), 5)}
     return out
 
 
@@ -206,7 +215,7 @@ def main(lengths: list[int], reps: int, budget_s: float) -> None:
         rows = _time_one_n(n, reps, deadline) + rows
         torch.cuda.empty_cache()
     result["rows"] = rows
-    for key, row in (("profile", "ours_flex_d1_g"), ("profile_shared", "ours_flex_d1_g_shared")):
+    for key, row in (("profile", "ours_flex_d1_g"), ("profile_prefix", "ours_flex_d1_g_prefix")):
         if key != "profile" and time.monotonic() > deadline + 15:  # the JSON must come out within the caller's limit
             result[key] = {"error": "skipped: the run's time budget was spent"}
             continue
@@ -219,7 +228,7 @@ def main(lengths: list[int], reps: int, budget_s: float) -> None:
     for r in rows:
         print(f"{r['row']:<22} {r['n']:>6} {r.get('median_ms', '-'):>10} {r.get('peak_mib', '-'):>9} "
               f"{r.get('error', '')}", file=sys.stderr)
-    for profiled in (result["profile"], result["profile_shared"]):
+    for profiled in (result["profile"], result["profile_prefix"]):
         for kernel in profiled.get("top_kernels", []):
             print(f"  profile {profiled['row']} N={profiled['n']}: {kernel['ms']:>8} ms "
                   f"x{kernel['calls']:<3} {kernel['name']}", file=sys.stderr)

@@ -25,8 +25,15 @@ from vit.longformer import LongformerSelfAttention
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
 
+@pytest.fixture(params=["merge", "prefix"])
+def global_keys(request, monkeypatch):
+    """Each layout of the global keys (`GLOBAL_KEYS`)."""
+    monkeypatch.setattr(flex_longformer, "GLOBAL_KEYS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dilation", [1, 2, 3])
-def test_flex_output_equals_dense_masked_reference_with_globals_and_padding(dilation):
+def test_flex_output_equals_dense_masked_reference_with_globals_and_padding(dilation, global_keys):
     # 30 tokens: one block; 300: three blocks, with a band of partial and full blocks.
     for n, window in ((30, 4), (300, 64)):
         for seed, case in enumerate([{"globals_": False, "padding": False}, {"globals_": True, "padding": True}]):
@@ -36,7 +43,7 @@ def test_flex_output_equals_dense_masked_reference_with_globals_and_padding(dila
             torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0, msg=f"n={n} {sorted(kw)}")
 
 
-def test_flex_in_bf16_matches_the_fp32_reference_within_bf16_precision():
+def test_flex_in_bf16_matches_the_fp32_reference_within_bf16_precision(global_keys):
     (q, k, v), kw = make_case(300, globals_=True, padding=True, seed=6)
     want = dense_reference(q, k, v, window=64, dilation=2, **kw).float()
     kw16 = {**kw, "global_qkv": tuple(t.bfloat16() for t in kw["global_qkv"])}
@@ -48,7 +55,7 @@ def test_flex_in_bf16_matches_the_fp32_reference_within_bf16_precision():
 
 # bf16: the projections round too; both kernels differ from Hugging Face's fp32 by about 1% of the largest output.
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_flex_module_equals_hugging_face_longformer_self_attention(dtype, tolerance):
+def test_flex_module_equals_hugging_face_longformer_self_attention(dtype, tolerance, global_keys):
     n, hidden, heads, window = 384, 24, 4, 64  # Hugging Face needs N to be a multiple of 2·window
     hf, ours = hf_pair(hidden, heads, window, seed=3)
     ours.kernel = "flex"
@@ -131,10 +138,54 @@ def test_no_block_of_the_global_keys_is_met_by_more_query_blocks_than_one_group(
 
 
 def test_flex_output_with_a_copy_of_the_global_keys_per_query_block_equals_the_dense_reference(monkeypatch):
+    monkeypatch.setattr(flex_longformer, "GLOBAL_KEYS", "prefix")
     monkeypatch.setattr(flex_longformer, "GLOBAL_GROUP", 1)
     (q, k, v), kw = make_case(300, globals_=True, padding=True, seed=4)
     got = sliding_window_attention(q, k, v, window=64, dilation=2, kernel="flex", **kw)
     torch.testing.assert_close(got, dense_reference(q, k, v, window=64, dilation=2, **kw).float(), atol=1e-5, rtol=0)
+
+
+def _dense_band(q, k, v, radius, dilation, key_ok):
+    """The band alone by definition: output and logsumexp of each row (every row here has a key)."""
+    offset = torch.arange(q.shape[2])[None, :] - torch.arange(q.shape[2])[:, None]
+    band = (offset.abs() <= radius * dilation) & (offset % dilation == 0)
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~(band & key_ok[:, None, :])[:, None], -torch.inf)
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+
+def test_merging_the_global_keys_by_logsumexp_has_the_gradients_of_one_softmax_over_band_and_globals():
+    # The CUDA kernel's band output and logsumexp get gradients through this merge; CPU FlexAttention
+    # has no backward, so the band comes from its definition here.
+    n, window, dilation = 300, 64, 2
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    pm = torch.zeros(2, n, dtype=torch.bool)
+    pm[1, 100:110] = True
+    gm = torch.zeros(2, n, dtype=torch.bool)
+    gm[0, [0, 40, 150, 299]] = gm[1, [5, 105, 200]] = True  # 40: inside some bands; 105: padding, not global
+    pos, valid = global_positions(gm & ~pm)
+    band_out, band_lse = _dense_band(q, k, v, window // 2, dilation, ~pm)
+    meets = flex_longformer.outside_band(n, window // 2, dilation, pos, valid)
+    got = flex_longformer.merge_global_keys(band_out, band_lse, q, k, v, pos, meets, 8 ** -0.5)
+    want = dense_reference(q, k, v, window=window, dilation=dilation, global_mask=gm, padding_mask=pm)
+    rows = (~(pm | gm))[:, None, :, None]  # global and padding rows are the caller's
+    weight = torch.randn(got.shape, generator=g, dtype=torch.float64) * rows
+    torch.testing.assert_close(got * rows, want * rows)
+    for got_grad, want_grad in zip(torch.autograd.grad((got * weight).sum(), (q, k, v)),
+                                   torch.autograd.grad((want * weight).sum(), (q, k, v))):
+        torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_a_row_that_meets_no_key_merges_to_zero_with_finite_gradients():
+    # A padding row in a long padded run: its band is empty (logsumexp -inf) and it meets no global key.
+    q, k, v = (torch.randn(1, 1, 2, 4, requires_grad=True) for _ in range(3))
+    band_out = torch.zeros(1, 1, 2, 4, requires_grad=True)
+    band_lse = torch.tensor([[[-torch.inf, 0.3]]], requires_grad=True)
+    meets = torch.tensor([[[False], [False]]])
+    out = flex_longformer.merge_global_keys(band_out, band_lse, q, k, v, torch.tensor([[1]]), meets, 0.5)
+    assert torch.equal(out[0, 0, 0], torch.zeros(4))
+    grads = torch.autograd.grad(out.square().sum() + out.sum(), (band_out, band_lse, q, k, v))
+    assert all(torch.isfinite(grad).all() for grad in grads)
 
 
 def test_the_block_mask_keeps_only_blocks_near_the_diagonal():

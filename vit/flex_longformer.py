@@ -6,16 +6,21 @@ hidden), on `(B, heads, N, head_dim)` tensors:
 1. Dilation d: query i only meets keys j with i ≡ j (mod d). Regrouping the sequence by residue
    class (token i goes to slot (i mod d)·m + i // d, m = ceil(N / d)) makes each class a plain,
    undilated window of radius r, so the block mask is as sparse as an undilated one.
-2. The G global keys go in front of the regrouped keys, zero-padded to one block (or a few): one
-   extra key block per query block, where the mask_mod keeps the global keys outside the query's
-   own band (inside it, the query already meets them as band keys). That prefix is repeated, one
-   copy per `GLOBAL_GROUP` query blocks, each group meeting only its own copy: with a single copy
-   every query block would meet the same key block, and the backward's dK/dV pass, which walks each
-   key block's query blocks in one program, would walk all N/128 of them in one program while the
-   rest of the GPU idles. The copies' gradients add up through the repeat.
+2. The G global keys, which every query meets besides its band, are laid out by `GLOBAL_KEYS`:
+   - "merge" (the default): FlexAttention computes the band alone and returns its logsumexp; every
+     query's scores over the G global keys outside its band are a small dense product (N × G), and
+     the two parts are merged by their logsumexps, exactly as one softmax over both. The kernel keeps
+     the band's simple mask_mod, and the global part is a few memory-bound passes.
+   - "prefix": the global keys go in front of the regrouped keys, zero-padded to one block: one extra
+     key block per query block, where the mask_mod keeps the global keys outside the query's own band.
+     The prefix is repeated, one copy per `GLOBAL_GROUP` query blocks, each group meeting only its
+     own copy. A single shared copy measured 5× the band's time at N = 65,536 on an H200; the likely
+     cause is the backward's dK/dV pass, which walks each key block's query blocks in one program: all
+     N/128 of them for a shared block. The copies' gradients add up through the repeat.
+   Which is faster on a GPU is measured by `benchmarks/longformer_attention.py --device cuda`.
 3. One `flex_attention` call: the block structure is built once per (N, r, d, prefix, group, device) and
    cached; padding only demotes the key blocks that hold it from full to partial, per call, and
-   the mask_mod checks class edges, the radius, padding and the global slots.
+   the mask_mod checks class edges, the radius, padding (and, with a prefix, the global slots).
 
 FlexAttention has no attention dropout: this path is only taken when dropout is off. On CUDA the
 kernel is `flex_attention` compiled per variant (`_compiled_flex`), its ints passed as tensors: a
@@ -33,13 +38,22 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["BLOCK", "GLOBAL_GROUP", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention",
+from vit.seqmatmul import long_times_small
+
+try:  # torch >= 2.9 asks for the logsumexp this way; older releases by return_lse
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - depends on the installed torch
+    AuxRequest = None
+
+__all__ = ["BLOCK", "GLOBAL_GROUP", "GLOBAL_KEYS", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention",
            "band_block_mask", "to_classes", "from_classes"]
 
 BLOCK = 128  # FlexAttention's sparse block: query and key tiles of 128 tokens
 # Query blocks that share one copy of the global-key prefix: about as many as meet one band key block
 # (window 512: 5), so no key block's backward program walks many more query blocks than another's.
 GLOBAL_GROUP = 8
+# How the flex kernel meets the global keys: "merge" or "prefix" (see the module's docstring).
+GLOBAL_KEYS = "merge"
 KERNELS = ("auto", "banded", "flex")
 
 
@@ -62,8 +76,14 @@ def choose_kernel(kernel: str, device: torch.device, dropout_p: float) -> str:
 
 
 def _call_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: BlockMask | None = None,
-               scale: float | None = None) -> torch.Tensor:
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+               scale: float | None = None, lse: bool = False):
+    """`flex_attention`'s output, or (output, logsumexp `(B, H, N)` fp32) when `lse`."""
+    if not lse:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+    if AuxRequest is None:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_lse=True)
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
 
 
 # Shapes per kind of call that get a kernel of their own (static shapes: the fastest); later shapes share
@@ -91,7 +111,7 @@ def _flex(device: torch.device, variant: tuple[bool, ...], shape: tuple[int, ...
     then the variant's dynamic one; elsewhere the unfused reference (compiling for CPU builds a C++ kernel
     for minutes, and CPU only runs this path in tests)."""
     if device.type != "cuda" and backend == "inductor":
-        return flex_attention
+        return _call_flex
     seen = _static_shapes.setdefault(variant, set())
     if shape in seen or len(seen) < STATIC_SHAPES:
         seen.add(shape)
@@ -268,6 +288,47 @@ def _global_prefix(x: torch.Tensor, xc: torch.Tensor, pos: torch.Tensor, copies:
     return torch.cat([F.pad(rows, (0, 0, 0, -pos.shape[1] % BLOCK)).repeat(1, 1, copies, 1), xc], dim=2)
 
 
+def _prefix_layout(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, global_pos: torch.Tensor,
+                   global_valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The "prefix" layout: (keys, values, prefix positions, prefix validity), the prefix padded to a block."""
+    copies = _copies(kc.shape[2] // BLOCK, GLOBAL_GROUP)
+    kc, vc = (_global_prefix(t, tc, global_pos, copies) for t, tc in ((k, kc), (v, vc)))
+    extra = -global_pos.shape[1] % BLOCK
+    return kc, vc, F.pad(global_pos, (0, extra)), F.pad(global_valid, (0, extra), value=False)
+
+
+def outside_band(n: int, radius: int, dilation: int, global_pos: torch.Tensor,
+                 global_ok: torch.Tensor) -> torch.Tensor:
+    """`(B, N, G)`: whether query i meets global key g besides its band, i.e. g is real and outside
+    i's band (inside it, the band already holds that key)."""
+    offset = (torch.arange(n, device=global_pos.device)[None, :, None] - global_pos[:, None, :]).abs()
+    outside = (offset > radius * dilation) | (offset % dilation != 0)
+    return outside & global_ok[:, None, :]
+
+
+def merge_global_keys(band_out: torch.Tensor, band_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, global_pos: torch.Tensor, meets: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over each query's band and the global keys it `meets` `(B, N, G)`, from the band's
+    normalised output `(B, H, N, D)` and logsumexp `(B, H, N)` and the global keys' scores.
+
+    Both parts are rescaled to a common maximum `c` (a constant to autograd: the result does not depend
+    on it), so rows without any key (padding) come out zero, with zero gradients, never NaN."""
+    acc = torch.promote_types(q.dtype, torch.float32)  # the merge in at least fp32
+    batch = torch.arange(q.shape[0], device=q.device)[:, None]
+    k_g, v_g = (t[batch, :, global_pos].transpose(1, 2) for t in (k, v))  # (B, H, G, D)
+    # Both products are long (N) times small (G): `vit.seqmatmul` splits their N-reductions.
+    scores = long_times_small(q, k_g.transpose(-1, -2)).to(acc) * scale  # (B, H, N, G)
+    scores = scores.masked_fill(~meets[:, None], float("-inf"))
+    band_lse = band_lse.to(acc)
+    c = torch.maximum(band_lse, scores.amax(-1)).detach()
+    c = torch.where(torch.isinf(c), torch.zeros_like(c), c)
+    w_band, w_keys = torch.exp(band_lse - c), torch.exp(scores - c[..., None])
+    num = band_out.to(acc) * w_band[..., None] + long_times_small(w_keys, v_g.to(acc))
+    den = w_band + w_keys.sum(-1)
+    den = torch.where(den > 0, den, torch.ones_like(den))
+    return (num / den[..., None]).to(band_out.dtype)
+
+
 def flex_band_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -294,16 +355,22 @@ def flex_band_attention(
     if not_pad is None:
         not_pad = torch.ones(bsz, n, dtype=torch.bool, device=q.device)
     key_ok = to_classes(not_pad[:, None, :, None], dilation)[:, 0, :, 0]
-    if global_pos is not None and global_pos.shape[1] > 0:
-        copies = _copies(padded // BLOCK, GLOBAL_GROUP)
-        kc, vc = (_global_prefix(t, tc, global_pos, copies) for t, tc in ((k, kc), (v, vc)))
-        extra = -global_pos.shape[1] % BLOCK
-        global_pos, global_valid = F.pad(global_pos, (0, extra)), F.pad(global_valid, (0, extra), value=False)
-    else:
-        global_pos = global_valid = None
-    block_mask = band_block_mask(n, radius, dilation, key_ok, padding, global_pos, global_valid)
-    # The mask_mod's code paths, the sizes dynamo specializes when they are 1 (batch, query blocks), and
-    # grad mode (dynamo guards on it: training and evaluation would share one budget of entries).
-    variant = (dilation > 1, padding, global_pos is not None, bsz == 1, padded == BLOCK, torch.is_grad_enabled())
-    out = _flex(q.device, variant, (*qc.shape, kc.shape[2]))(qc, kc, vc, block_mask=block_mask, scale=scale)
-    return from_classes(out, n, dilation)
+    layout = None if global_pos is None or global_pos.shape[1] == 0 else GLOBAL_KEYS
+    if layout not in (None, "merge", "prefix"):
+        raise ValueError(f"GLOBAL_KEYS must be 'merge' or 'prefix', got {layout!r}")
+    prefix_pos = prefix_ok = None
+    if layout == "prefix":
+        kc, vc, prefix_pos, prefix_ok = _prefix_layout(k, v, kc, vc, global_pos, global_valid)
+    block_mask = band_block_mask(n, radius, dilation, key_ok, padding, prefix_pos, prefix_ok)
+    # The mask_mod's code paths, the kernel's outputs, the sizes dynamo specializes when they are 1 (batch,
+    # query blocks), and grad mode (dynamo guards on it: training and evaluation would share one budget).
+    variant = (dilation > 1, padding, layout == "prefix", layout == "merge", bsz == 1, padded == BLOCK,
+               torch.is_grad_enabled())
+    kernel = _flex(q.device, variant, (*qc.shape, kc.shape[2]))
+    if layout != "merge":
+        return from_classes(kernel(qc, kc, vc, block_mask=block_mask, scale=scale), n, dilation)
+    out, lse = kernel(qc, kc, vc, block_mask=block_mask, scale=scale, lse=True)
+    out, lse = from_classes(out, n, dilation), from_classes(lse[..., None], n, dilation)[..., 0]
+    meets = outside_band(n, radius, dilation, global_pos, global_valid)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return merge_global_keys(out, lse, q, k, v, global_pos, meets, scale)
