@@ -312,7 +312,7 @@ def merge_global_keys(band_out: torch.Tensor, band_lse: torch.Tensor, q: torch.T
     normalised output `(B, H, N, D)` and logsumexp `(B, H, N)` and the global keys' scores.
 
     Both parts are rescaled to a common maximum `c` (a constant to autograd: the result does not depend
-    on it), so rows without any key (padding) come out zero, with zero gradients, never NaN."""
+    on it), so rows without any key (padding) come out zero, with finite gradients, never NaN."""
     acc = torch.promote_types(q.dtype, torch.float32)  # the merge in at least fp32
     batch = torch.arange(q.shape[0], device=q.device)[:, None]
     k_g, v_g = (t[batch, :, global_pos].transpose(1, 2) for t in (k, v))  # (B, H, G, D)
@@ -323,10 +323,12 @@ def merge_global_keys(band_out: torch.Tensor, band_lse: torch.Tensor, q: torch.T
     c = torch.maximum(band_lse, scores.amax(-1)).detach()
     c = torch.where(torch.isinf(c), torch.zeros_like(c), c)
     w_band, w_keys = torch.exp(band_lse - c), torch.exp(scores - c[..., None])
-    num = band_out.to(acc) * w_band[..., None] + long_times_small(w_keys, v_g.to(acc))
     den = w_band + w_keys.sum(-1)
     den = torch.where(den > 0, den, torch.ones_like(den))
-    return (num / den[..., None]).to(band_out.dtype)
+    # Weights in fp32, the (N, D)-sized products in the inputs' dtype: no fp32 copy of the output is
+    # made or kept for the backward. In place: the product saves its inputs, not its result.
+    out = band_out * (w_band / den)[..., None].to(band_out.dtype)
+    return out.add_(long_times_small((w_keys / den[..., None]).to(v_g.dtype), v_g))
 
 
 def flex_band_attention(
