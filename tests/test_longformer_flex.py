@@ -261,6 +261,14 @@ def test_each_kind_of_call_has_its_own_compiled_kernel_so_mixing_them_keeps_ever
                     _flex_equals_dense(300, batch, 16, dilation, globals_, padding)
 
 
+def test_the_compiled_kernel_is_one_graph_so_it_never_falls_back_to_the_unfused_reference(compiled_on_cpu,
+                                                                                          global_keys):
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    _flex_equals_dense(300, 2, 16, 2, globals_=True, padding=True)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+
+
 def test_a_kinds_first_shapes_get_static_kernels_and_later_ones_share_a_dynamic_one(monkeypatch):
     monkeypatch.setattr(flex_longformer, "_static_shapes", {})
     variant, cpu = (False,) * 6, torch.device("cpu")

@@ -103,7 +103,8 @@ def _compiled_flex(variant: tuple[bool, ...] = (), dynamic: bool = False, backen
     name = "_flex_" + "".join("1" if flag else "0" for flag in variant) + ("_dynamic" if dynamic else "")
     fn = types.FunctionType(_call_flex.__code__.replace(co_name=name), _call_flex.__globals__, name)
     fn.__kwdefaults__, fn.__qualname__ = _call_flex.__kwdefaults__, name
-    return torch.compile(fn, dynamic=dynamic, backend=backend)
+    # fullgraph: a graph break would fall back to the unfused N×N reference without a word
+    return torch.compile(fn, dynamic=dynamic, backend=backend, fullgraph=True)
 
 
 def _flex(device: torch.device, variant: tuple[bool, ...], shape: tuple[int, ...], backend: str = "inductor"):
