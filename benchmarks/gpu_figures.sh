@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check for issue 18 (and 19's MAE cost): one prepared run on a lent GPU, at most ~9.5 minutes.
+# The device check for issue 18 (and 19's MAE cost): one prepared run on a lent GPU, at most ~9.7 minutes (the sum of its parts' limits).
 #   bash benchmarks/gpu_figures.sh            # writes $OUT/*.json (or ./gpu-figures/) and prints a summary
 # Each part has its own time limit, and one part failing never stops the next.
 set -u
