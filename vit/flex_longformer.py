@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     AuxRequest = None
 
 __all__ = ["BLOCK", "GLOBAL_GROUP", "GLOBAL_KEYS", "KERNELS", "check_kernel", "choose_kernel", "flex_band_attention",
-           "band_block_mask", "to_classes", "from_classes"]
+           "band_block_mask", "merge_global_keys", "outside_band", "to_classes", "from_classes"]
 
 BLOCK = 128  # FlexAttention's sparse block: query and key tiles of 128 tokens
 # Query blocks that share one copy of the global-key prefix: about as many as meet one band key block
@@ -317,7 +317,8 @@ def merge_global_keys(band_out: torch.Tensor, band_lse: torch.Tensor, q: torch.T
     acc = torch.promote_types(q.dtype, torch.float32)  # the merge in at least fp32
     batch = torch.arange(q.shape[0], device=q.device)[:, None]
     k_g, v_g = (t[batch, :, global_pos].transpose(1, 2) for t in (k, v))  # (B, H, G, D)
-    # Both products are long (N) times small (G): `vit.seqmatmul` splits their N-reductions.
+    # Both products are long (N) times small (G): `vit.seqmatmul` splits their N-reductions. In bf16 the
+    # scores round to bf16 before the fp32 softmax, as in `vit.attention.global_rows_attention`.
     scores = long_times_small(q, k_g.transpose(-1, -2)).to(acc) * scale  # (B, H, N, G)
     scores = scores.masked_fill(~meets[:, None], float("-inf"))
     band_lse = band_lse.to(acc)
