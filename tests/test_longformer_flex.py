@@ -5,7 +5,9 @@ evaluates the mask_mod everywhere. So outputs are checked here, in fp32 and bf16
 mask is checked on its own: the CUDA kernel skips the mask_mod in full blocks and every block the
 mask leaves out, so the block mask alone must already describe the band exactly. Gradients of the
 flex kernel are compared with the banded kernel on a GPU by `benchmarks/longformer_attention.py
---device cuda`.
+--device cuda`; the merge of the band with the global keys (the default layout) is checked here with
+gradients, from a band computed by definition. Both layouts of the global keys (`global_keys`) meet
+the output checks.
 """
 
 from __future__ import annotations
