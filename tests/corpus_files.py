@@ -9,11 +9,12 @@ import numpy as np
 from PIL import Image
 
 
-def jpeg(seed: int, side: int = 20) -> bytes:
-    """A `side` × `side` JPEG of seeded random pixels."""
-    rng = np.random.default_rng(seed)
+def jpeg(seed: int | np.random.Generator, size: int | tuple[int, int] = 20) -> bytes:
+    """A JPEG of random pixels from `seed` (or a generator, drawn from in turn), `size` square or (height, width)."""
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    height, width = (size, size) if isinstance(size, int) else size
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)).save(buf, "JPEG")
+    Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)).save(buf, "JPEG")
     return buf.getvalue()
 
 

@@ -5,7 +5,6 @@ secret travels to Ray tasks."""
 
 from __future__ import annotations
 
-import io
 import pickle
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from botocore.exceptions import ClientError
-from PIL import Image
 
 from pipelines.core import shards
 from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
@@ -32,9 +30,7 @@ def corpus(s3_env, s3_bucket) -> str:
     rng = np.random.default_rng(0)
     client = s3_env.client()
     for key in KEYS:
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
-        client.put_object(Bucket=s3_bucket, Key=f"corpus/{key}", Body=buf.getvalue())
+        client.put_object(Bucket=s3_bucket, Key=f"corpus/{key}", Body=jpeg(rng, (20, 24)))
     return f"s3://{s3_bucket}/corpus"
 
 

@@ -90,7 +90,7 @@ def test_an_unlabeled_ingest_takes_no_label_manifest():
 
 def _wds_shard(shard: int, n: int = 4) -> bytes:
     return webdataset_tar([{f"s{shard}-{i}.jpg": jpeg(10 * shard + i), f"s{shard}-{i}.cls": str(i % 3).encode(),
-                  f"s{shard}-{i}.json": json.dumps({"y": 7}).encode()} for i in range(n)])
+                            f"s{shard}-{i}.json": json.dumps({"y": 7}).encode()} for i in range(n)])
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def damaged(ray_cluster, s3_server):
     third = tarfile.open(fileobj=io.BytesIO(whole)).getmember("s1-2.jpg").offset  # where the third sample begins
     cut = third + 700  # inside its image's data
     bad = webdataset_tar([{"a.jpg": b"not a jpeg", "a.cls": b"0"}, {"b.cls": b"1"}, {"c.jpg": jpeg(5), "c.cls": b"dog"},
-                {"d.jpg": jpeg(6), "d.cls": b"2"}])
+                          {"d.jpg": jpeg(6), "d.cls": b"2"}])
     for name, body in (("000000.tar", _wds_shard(0)), ("000001.tar", whole[:cut]), ("000002.tar", bad)):
         client.put_object(Bucket="formats-damaged", Key=f"tars/{name}", Body=body)
     return "formats-damaged", third

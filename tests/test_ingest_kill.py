@@ -3,7 +3,6 @@ finishes with every object exactly once and rewrites only the shards that were n
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -16,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from PIL import Image
 
 from pipelines.core import shards
+from tests.corpus_files import jpeg
 from tests.shard_output import wait_for_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,9 +28,7 @@ def _upload_corpus(client, bucket: str) -> list[str]:
     rng = np.random.default_rng(3)
     bodies = {}
     for i in range(N_OBJECTS):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, size=(24, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
-        bodies[f"class{i % 4}/{i:05d}.jpg"] = buf.getvalue()
+        bodies[f"class{i % 4}/{i:05d}.jpg"] = jpeg(rng, 24)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key=f"corpus/{kv[0]}", Body=kv[1]), bodies.items()))
     return sorted(bodies)

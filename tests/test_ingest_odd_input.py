@@ -22,13 +22,7 @@ from pipelines.core.fetch import fetch_planned
 from pipelines.core.storage import LocalStore, S3Settings, open_store
 from pipelines.image.ingest import IngestConfig, run_ingest
 from pipelines.image.patches import decode_image
-
-
-def _jpeg(seed: int, size: tuple[int, int] = (20, 24)) -> bytes:
-    buf = io.BytesIO()
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
+from tests.corpus_files import jpeg
 
 
 def _corpus(root: Path, n: int = 12, classes: int = 2) -> list[str]:
@@ -36,7 +30,7 @@ def _corpus(root: Path, n: int = 12, classes: int = 2) -> list[str]:
     for i in range(n):
         key = f"c{i % classes}/{i:03d}.jpg"
         (root / key).parent.mkdir(parents=True, exist_ok=True)
-        (root / key).write_bytes(_jpeg(i))
+        (root / key).write_bytes(jpeg(i, (20, 24)))
         keys.append(key)
     return keys
 
@@ -81,7 +75,7 @@ def test_a_shard_task_holds_at_most_io_threads_objects(tmp_path):
 def test_an_object_over_the_byte_cap_is_rejected_with_a_reason(ray_cluster, tmp_path):
     keys = _corpus(tmp_path / "src", n=8)
     big = "c0/big.jpg"
-    (tmp_path / "src" / big).write_bytes(_jpeg(99, size=(300, 300)))
+    (tmp_path / "src" / big).write_bytes(jpeg(99, 300))
     cap = max(len((tmp_path / "src" / k).read_bytes()) for k in keys)
     result = run_ingest(_config(tmp_path / "src", tmp_path / "out", max_object_bytes=cap, max_reject_fraction=0.5))
     assert result.counts["images"] == len(keys)
@@ -123,7 +117,7 @@ def test_a_photo_taken_rotated_is_stored_upright(fmt):
 def test_a_non_utf8_file_name_is_a_rejection_not_a_crash(ray_cluster, tmp_path):
     keys = _corpus(tmp_path / "src", n=8)
     with open(os.path.join(os.fsencode(tmp_path / "src" / "c1"), b"caf\xe9.jpg"), "wb") as f:
-        f.write(_jpeg(7))
+        f.write(jpeg(7, (20, 24)))
     result = run_ingest(_config(tmp_path / "src", tmp_path / "out", max_reject_fraction=0.5))
     assert result.counts["images"] == len(keys)
     assert result.manifest["rejected"] == [{"key": "c1/caf\\xe9.jpg", "reason": "file name is not valid UTF-8"}]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import struct
 import zlib
@@ -11,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from pipelines.core import shards
 from pipelines.core.shards import read_manifest
 from pipelines.core.errors import IngestError, StorageError, VitpipeError
 from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.corpus_files import jpeg
 
 GOOD_PER_CLASS = 50
 
@@ -29,23 +28,17 @@ def _png_bomb(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
-def _jpeg(rng: np.random.Generator, side: int = 24) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
 # key -> (bytes, expected reason). One of each kind of bad object.
 def bad_objects(rng: np.random.Generator) -> dict[str, tuple[bytes, str]]:
-    whole = _jpeg(rng, 64)
+    whole = jpeg(rng, 64)
     return {
         "a/empty.jpg": (b"", "empty file"),
         "a/truncated.jpg": (whole[: len(whole) // 2], "corrupt or truncated"),
         "b/garbage.jpg": (rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(), "not an image"),
         "b/notes.png": (b"shopping list: eggs, milk", "not an image"),
         "b/bomb.png": (_png_bomb(40000, 40000), "too many pixels"),
-        "a/huge.jpg": (_jpeg(rng, 120), "too many pixels"),  # 14,400 px > max_pixels below
-        "loose.jpg": (_jpeg(rng), "not inside a class folder"),
+        "a/huge.jpg": (jpeg(rng, 120), "too many pixels"),  # 14,400 px > max_pixels below
+        "loose.jpg": (jpeg(rng, 24), "not inside a class folder"),
     }
 
 
@@ -59,7 +52,7 @@ def corpus(tmp_path_factory):
             key = f"{name}/{i:03d}.jpg"
             good.append(key)
             (root / name).mkdir(exist_ok=True)
-            (root / key).write_bytes(_jpeg(rng))
+            (root / key).write_bytes(jpeg(rng, 24))
     bad = bad_objects(rng)
     for key, (data, _) in bad.items():
         (root / key).write_bytes(data)

@@ -9,24 +9,18 @@ import uuid
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from pipelines.core import plan as ingest_plan
 from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.corpus_files import jpeg
 
 SHARD_SIZE, WINDOW = 8, 2
-
-
-def _jpeg(rng: np.random.Generator) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
 
 
 def _upload_corpus(client, bucket: str, keys: list[str], seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for key in keys:
-        client.put_object(Bucket=bucket, Key=f"corpus/{key}", Body=_jpeg(rng))
+        client.put_object(Bucket=bucket, Key=f"corpus/{key}", Body=jpeg(rng, (20, 24)))
 
 
 def _config(bucket: str, out: str = "out", **overrides) -> IngestConfig:

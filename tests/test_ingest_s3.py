@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import subprocess
@@ -12,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from pipelines.core import shards
 from pipelines.core.shards import read_manifest
 from pipelines.core.errors import StorageError
 from pipelines.image.ingest import IngestConfig, run_ingest
+from tests.corpus_files import jpeg
 
 
 def _corpus(root: Path, classes: int = 3, per_class: int = 20, seed: int = 0) -> list[str]:
@@ -27,10 +26,8 @@ def _corpus(root: Path, classes: int = 3, per_class: int = 20, seed: int = 0) ->
         for i in range(per_class):
             key = f"class{c}/{i:03d}.jpg"
             (root / f"class{c}").mkdir(parents=True, exist_ok=True)
-            buf = io.BytesIO()
             side = int(rng.integers(20, 40))
-            Image.fromarray(rng.integers(0, 256, size=(side, side + 4, 3), dtype=np.uint8)).save(buf, "JPEG")
-            (root / key).write_bytes(buf.getvalue())
+            (root / key).write_bytes(jpeg(rng, (side, side + 4)))
             keys.append(key)
     return keys
 
