@@ -183,6 +183,38 @@ def test_settings_resolve_credentials_from_a_profile(s3_server, s3_bucket, tmp_p
     assert store.read("k") == b"v"
 
 
+def test_a_process_reuses_one_s3_client_per_settings(s3_env):
+    settings = S3Settings(s3_env.endpoint_url)
+    assert settings.boto3_client("s3") is S3Settings(s3_env.endpoint_url).boto3_client("s3")
+    assert settings.boto3_client("s3") is not S3Settings(s3_env.endpoint_url, max_attempts=2).boto3_client("s3")
+
+
+def test_a_store_opened_after_the_credential_variables_change_signs_with_the_new_keys(s3_env, s3_bucket, monkeypatch):
+    settings = S3Settings(s3_env.endpoint_url)
+    open_store(f"s3://{s3_bucket}", settings).check()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StorageError, match="access denied|signature"):
+        open_store(f"s3://{s3_bucket}", settings).check()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_key)
+    open_store(f"s3://{s3_bucket}", settings).check()
+
+
+def test_a_store_opened_after_the_credentials_file_is_rewritten_signs_with_its_new_keys(
+    s3_server, s3_bucket, tmp_path, monkeypatch
+):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    creds = tmp_path / "credentials"
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    settings = S3Settings(s3_server.endpoint_url)
+    creds.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = rotated-away\n")
+    with pytest.raises(StorageError, match="access denied|signature"):
+        open_store(f"s3://{s3_bucket}", settings).check()
+    creds.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = {s3_server.secret_key}\n")
+    open_store(f"s3://{s3_bucket}", settings).check()
+
+
 def test_settings_and_stores_carry_no_secret_into_what_a_ray_worker_receives(s3_env):
     settings = S3Settings.resolve()
     assert s3_env.secret_key not in repr(settings)
