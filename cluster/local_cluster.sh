@@ -53,12 +53,9 @@ free_port() {
 }
 
 cluster_pids() {
-  # Every Ray process of this cluster carries its temp dir in its arguments.
-  local f pid
-  for f in /proc/[0-9]*/cmdline; do
-    pid="${f#/proc/}"; pid="${pid%/cmdline}"
-    if grep -qaF -- "=${RAY_TMP}" "$f" 2> /dev/null; then echo "$pid"; fi
-  done
+  # Every Ray process of this cluster carries its temp dir in its arguments (one grep over them all;
+  # the pattern comes from a file, or grep would find its own arguments).
+  grep -laFf <(printf '=%s\n' "$RAY_TMP") /proc/[0-9]*/cmdline 2> /dev/null | cut -d/ -f3 || true
 }
 
 worker_resources() {
@@ -86,7 +83,10 @@ start() {
     --num-cpus="$HEAD_CPUS" --object-store-memory="$(object_store_bytes)" --resources='{"head": 1}' \
     --dashboard-agent-listen-port="$(free_port)" \
     --temp-dir="$RAY_TMP" --disable-usage-stats > "$RAY_TMP/start.log"
-  for ((i = 1; i <= workers; i++)); do start_worker "$i"; done
+  # The worker nodes join at once: each `ray start` spends most of its time waiting for its raylet.
+  local pids=()
+  for ((i = 1; i <= workers; i++)); do start_worker "$i" & pids+=("$!"); done
+  for i in "${pids[@]}"; do wait "$i"; done
   trap - ERR
   echo "Ray cluster up: head + $workers worker node(s) on $HOST"
   echo "  RAY_ADDRESS=$HOST:$RAY_PORT"
@@ -141,19 +141,51 @@ status() {
 }
 
 stop() {
-  local pids
+  local pids raylets gcs others
   pids="$(cluster_pids)"
   if [[ -z "$pids" ]]; then echo "no Ray processes with temp dir $RAY_TMP"; return 0; fi
+  # In order: the raylets (their workers go with them), the head's other processes, the GCS last.
+  # Each of them tells the GCS of its end on SIGTERM, and waits up to a minute for a GCS that is gone.
+  raylets="$(of_kind "$pids" /raylet/raylet)" gcs="$(of_kind "$pids" /gcs/gcs_server)"
+  others="$(grep -vxF -e "${raylets:-none}" -e "${gcs:-none}" <<< "$pids" || true)"
+  local group killed=0
+  for group in "$raylets" "$others" "$gcs"; do
+    terminate "$group" || killed=1
+  done
+  echo "stopped the Ray cluster in $RAY_TMP$( ((killed)) && echo " (some processes needed SIGKILL)")"
+}
+
+of_kind() {
+  # The pids among $1 whose executable path contains $2.
+  local pid exe
+  for pid in $1; do
+    exe=""; read -r -d '' exe 2> /dev/null < "/proc/$pid/cmdline" || true
+    if [[ "$exe" == *"$2"* ]]; then echo "$pid"; fi
+  done
+}
+
+alive() {
+  # A zombie (ended, not yet reaped: pid 1 of a container may never reap it) has an empty command line.
+  local exe=""
+  read -r -d '' exe 2> /dev/null < "/proc/$1/cmdline" || true
+  [[ -n "$exe" ]]
+}
+
+terminate() {
+  # SIGTERM to the pids in $1, then SIGKILL to any left after 10 s; false if one needed it.
+  local pids="$1" pid left
+  [[ -n "$pids" ]] || return 0
   # shellcheck disable=SC2086  # one pid per word
   kill -TERM $pids 2> /dev/null || true
-  for _ in $(seq 1 20); do
-    pids="$(cluster_pids)"
-    [[ -z "$pids" ]] && { echo "stopped the Ray cluster in $RAY_TMP"; return 0; }
-    sleep 0.5
+  for _ in $(seq 1 100); do
+    left=""
+    for pid in $pids; do alive "$pid" && left+=" $pid"; done
+    [[ -z "$left" ]] && return 0
+    sleep 0.1
   done
   # shellcheck disable=SC2086
-  kill -KILL $pids 2> /dev/null || true
-  echo "stopped the Ray cluster in $RAY_TMP (some processes needed SIGKILL)"
+  kill -KILL $left 2> /dev/null || true
+  return 1
 }
 
 case "${1:-}" in

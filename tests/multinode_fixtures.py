@@ -96,6 +96,20 @@ def train_worker_node(env: dict[str, str]) -> str:
     raise AssertionError("no Ray Train worker runs on a worker node")
 
 
+def cluster_processes(ray_tmp: str) -> dict[int, str]:
+    """The live processes of the local cluster whose temp dir is `ray_tmp` (each carries it in its
+    arguments), with their executables."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # a process that ended while we looked
+        if any(arg.endswith(ray_tmp.encode()) or f"={ray_tmp}/".encode() in arg for arg in argv):
+            found[int(proc.name)] = argv[0].decode(errors="replace")
+    return found
+
+
 def wait_for_key(client: Any, bucket: str, prefix: str, suffix: str, timeout: float = 300) -> str:
     """The first key under `prefix` ending in `suffix`, polled until it appears."""
     deadline = time.monotonic() + timeout

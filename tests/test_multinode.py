@@ -25,7 +25,10 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipelines.core import registry
-from tests.multinode_fixtures import REPO, finish, nodes_cluster, train_worker_node, wait_for_key  # noqa: F401
+from tests.conftest import _free_port
+from tests.multinode_fixtures import (  # noqa: F401
+    REPO, SCRIPT, cluster_processes, finish, nodes_cluster, train_worker_node, wait_for_key,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +177,18 @@ def test_a_submitted_pipeline_runs_ingest_pretrain_and_finetune_to_succeeded(nod
     experiment = client.get_experiment_by_name("multinode-job").experiment_id
     stages = {r.data.tags.get("vitpipe.stage") for r in client.search_runs([experiment]) if r.info.status == "FINISHED"}
     assert {"ingest", "pretrain", "finetune"} <= stages
+
+
+def test_stopping_a_local_cluster_ends_it_on_sigterm_and_leaves_another_running(nodes_cluster):  # noqa: F811
+    port = _free_port()
+    env = {**nodes_cluster.env, "RAY_PORT": str(port), "DASHBOARD_PORT": str(_free_port()), "RAY_TMP": f"/tmp/vp-stop-{port}"}
+    started = subprocess.run([str(SCRIPT), "start", "1"], env=env, timeout=300, capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert {"gcs_server", "raylet"} <= {exe.rsplit("/", 1)[-1] for exe in cluster_processes(env["RAY_TMP"]).values()}
+    others = {pid for pid, exe in cluster_processes(nodes_cluster.env["RAY_TMP"]).items() if exe.endswith(("/raylet", "/gcs_server"))}
+    assert others
+
+    stopped = subprocess.run([str(SCRIPT), "stop"], env=env, timeout=120, capture_output=True, text=True)
+    assert stopped.returncode == 0 and "SIGKILL" not in stopped.stdout, stopped.stdout  # raylets, head, GCS last
+    assert not cluster_processes(env["RAY_TMP"])
+    assert others <= set(cluster_processes(nodes_cluster.env["RAY_TMP"]))
