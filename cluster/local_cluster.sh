@@ -115,10 +115,9 @@ start_node() {
 
 raylet_pid() {
   # The raylet whose arguments hold worker node $1's temp dir.
-  local f pid
-  for f in /proc/[0-9]*/cmdline; do
-    pid="${f#/proc/}"; pid="${pid%/cmdline}"
-    if tr '\0' ' ' < "$f" 2> /dev/null | grep -qE -- "/raylet/raylet .*=${RAY_TMP}/worker-$1/"; then echo "$pid"; return; fi
+  local pid
+  for pid in $(of_kind "$(cluster_pids)" /raylet/raylet); do
+    if grep -qaF -- "=${RAY_TMP}/worker-$1/" "/proc/$pid/cmdline" 2> /dev/null; then echo "$pid"; return; fi
   done
 }
 
