@@ -362,6 +362,9 @@ def _run_sweep(config: FinetuneConfig, ctx: SweepContext, storage_path: str, fil
                 metric=config.metric, mode=mode, scheduler=build_scheduler(config),
                 search_alg=build_search_alg(config.searcher, config.metric, mode, config.seed),
                 num_samples=config.num_samples, max_concurrent_trials=concurrent,
+                # No reuse_actors (PBT's warning asks for it): a trial's Train run lives in its actor's thread,
+                # and Tune waits 2 s for that thread before reusing the actor; an early-stopped trial's run
+                # outlives that, and the next trial on the actor fails (seen with ASHA).
             ),
             run_config=tune.RunConfig(
                 name=sweep, storage_path=storage_path, storage_filesystem=filesystem,
