@@ -12,7 +12,7 @@ import vit
 from pipelines.core.shards import read_manifest
 from pipelines.image.evaluate import (EvaluateConfig, few_shot_accuracy, few_shot_table, load_config, ridge_fit,
                                       run_evaluate, sample_support)
-from pipelines.image.finetune_data import DataSpec
+from pipelines.image.labeled_rows import DataSpec
 
 
 def blobs(n_per_class: int, classes: int, dim: int, seed: int, spread: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:

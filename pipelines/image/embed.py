@@ -48,8 +48,8 @@ from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.uris import strip_userinfo
 from pipelines.image.data import normalize, patches_array
 from pipelines.image.embeddings import FORMAT, rows_hash, schema
-from pipelines.image.finetune_data import resize_patches
 from pipelines.image.frozen_model import load_frozen_model
+from pipelines.image.patches import resize_patches
 from pipelines.training.step import resolve_precision
 
 logger = logging.getLogger(__name__)

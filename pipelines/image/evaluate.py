@@ -31,7 +31,7 @@ from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
-from pipelines.image.finetune_data import DataSpec, decode_batch, iter_rows
+from pipelines.image.labeled_rows import DataSpec, decode_batch, iter_rows
 from pipelines.image.frozen_model import load_frozen_model
 from pipelines.core.shards import class_labels, class_names
 

@@ -36,7 +36,7 @@ from pipelines.core.uris import is_s3_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
 from pipelines.core.storage import S3Settings
-from pipelines.image.finetune_data import DataSpec, raw_bytes
+from pipelines.image.labeled_rows import DataSpec, raw_bytes
 from pipelines.image.finetune_results import register_best_model, report_sweep, sweep_score
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg

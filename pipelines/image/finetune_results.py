@@ -22,7 +22,7 @@ from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.registry import TAG_MODEL_URI, Score, log_vit_model, register_run_model
 from pipelines.core.shards import class_names, num_classes
-from pipelines.image.finetune_data import iter_rows
+from pipelines.image.labeled_rows import iter_rows
 from pipelines.image.finetune_trial import latest_checkpoint
 
 METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`

@@ -32,7 +32,7 @@ from torch import nn
 
 import vit
 from pipelines.core import tracking
-from pipelines.image.finetune_data import DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset
+from pipelines.image.labeled_rows import DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset
 from pipelines.training.hooks import DRIVER_INPUTS, Batches, LoopHooks, Window
 from pipelines.training.recipe import LoopSettings, Workers
 from pipelines.training.step import StepStats, build_loop_optimizer, load_train_state

@@ -3,7 +3,8 @@
 `decode_image` turns the bytes of one object into a square `(S, S, 3)` uint8
 RGB array, or raises `RejectedImage` with a short reason. `patchify` /
 `unpatchify` are numpy twins of `vit.patches` with the same patch order
-(row-major grid, each patch flattened as (row, col, channel)).
+(row-major grid, each patch flattened as (row, col, channel)); `resize_patches`
+resizes stored patch sequences to another resolution in that order.
 """
 
 from __future__ import annotations
@@ -154,3 +155,10 @@ def patchify_batch(images: np.ndarray, patch_size: int) -> np.ndarray:
         raise ValueError(f"image size {h}x{w} is not divisible by patch size {p}")
     x = images.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5)
     return np.ascontiguousarray(x).reshape(b, gh * gw, p * p * c)
+
+
+def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], size: int) -> np.ndarray:
+    """uint8 patch sequences of images on `grid` → the same images resized to `size`×`size`, re-patchified."""
+    images = unpatchify(patches, patch_size, grid)
+    out = np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC)) for im in images])
+    return patchify_batch(out, patch_size)

@@ -1,8 +1,9 @@
-"""A fine-tuning trial's data: which rows it trains and validates on, at which resolution, how augmented.
+"""The labeled rows of an ingest output by role, for fine-tuning trials and few-shot evaluation: which rows
+each role reads, at which resolution, how augmented.
 
-Rows come from an ingest output (Parquet shards of uint8 patch sequences).
+The rows are an ingest output's Parquet shards of uint8 patch sequences.
 Every role is decoded the same way (`decode_arrays`): optional random-resized
-crop, resize to the trial's resolution, normalisation, always in the shared
+crop, resize to the asked resolution, normalisation, always in the shared
 `vit.patches` order.
 
 * train: the `train` split, minus the minival when the data has no `val` split;
@@ -28,7 +29,7 @@ from pipelines.core.errors import VitpipeError
 from pipelines.core.shards import split_of
 from pipelines.core.storage import open_store
 from pipelines.image.data import augment_patches, normalize, patches_array
-from pipelines.image.patches import patchify_batch, unpatchify
+from pipelines.image.patches import resize_patches
 from pipelines.training.recipe import AugmentConfig
 
 HOLDOUT_SALT = "finetune-holdout/"  # keys hashed with this salt pick the minival images
@@ -54,15 +55,6 @@ def augment_config(strength: float, hflip: bool) -> Any:
         return None
     stretch = 1 + strength / 3
     return AugmentConfig(scale=(1 - 0.75 * strength, 1.0), ratio=(1 / stretch, stretch), flip=hflip)
-
-
-def resize_patches(patches: np.ndarray, patch_size: int, grid: tuple[int, int], size: int) -> np.ndarray:
-    """uint8 patch sequences of images on `grid` → the same images resized to `size`×`size`, re-patchified."""
-    from PIL import Image
-
-    images = unpatchify(patches, patch_size, grid)
-    out = np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC)) for im in images])
-    return patchify_batch(out, patch_size)
 
 
 def in_holdout(keys: list[str], fraction: float) -> np.ndarray:
@@ -228,7 +220,6 @@ __all__ = [
     "memory_batches",
     "memory_rows",
     "raw_bytes",
-    "resize_patches",
     "source",
     "train_dataset",
 ]
