@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import uuid
+import warnings
 from pathlib import Path
 
 import mlflow
@@ -111,6 +112,18 @@ def test_the_logged_model_serves_the_checkpoints_logits_through_mlflow_pyfunc(cl
     x = torch.randn(2, 16, 48)
     with torch.no_grad():
         np.testing.assert_array_equal(served.predict(x.numpy()), model(x).numpy())
+
+
+def test_logging_and_serving_a_model_raise_no_warning_about_predicts_type_hints(client, tmp_path):
+    run_id = _new_run(client)
+    vit.save_checkpoint(_model(), tmp_path / "ckpt")
+    mlflow.set_tracking_uri(client.tracking_uri)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        served = mlflow.pyfunc.load_model(registry.log_vit_model(client, run_id, tmp_path / "ckpt"))
+        served.predict(np.zeros((1, 16, 48), np.float32))
+    assert not [w for w in caught if "type hint" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert served.metadata.signature is None  # the model takes patches or frames of any shape
 
 
 def test_the_champion_alias_marks_the_best_scoring_version(client, tmp_path):
