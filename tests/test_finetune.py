@@ -35,6 +35,7 @@ from pipelines.image.finetune import FinetuneConfig, FinetuneResult, run_finetun
 from pipelines.image.finetune_trial import latest_checkpoint
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json
+from tests.slow_link import slow_link
 from tests.transfer_fixtures import DIGITS_SIZE
 
 pytestmark = pytest.mark.slow
@@ -261,6 +262,22 @@ def test_a_pbt_sweep_runs_its_trials_in_segments_to_the_last_step(digits_data, p
     for trial in client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result.run_id}'"):
         steps = {m.step for m in client.get_metric_history(trial.info.run_id, "val_loss")}
         assert max(steps) == 8, steps  # both segments ran, up to the last step
+
+
+def test_a_trial_that_tune_stops_on_its_last_report_has_every_step_metric_stored(digits_data, pretrained, tmp_path):
+    # ASHA stops a trial as soon as it reports its last step (max_t), and stopping kills the trial's workers.
+    # Over a link that holds rank 0's step metrics back longer than that takes, they are still on the wire then.
+    with slow_link(pretrained.tracking_uri, b'"train_loss"', delay_s=8) as tracking_uri:
+        config = sweep_config(digits_data, pretrained.run_id, tracking_uri, tmp_path, run_name="slow-link",
+                              search_space={"lr": {"grid": [0.03]}, "steps": 4, "resolution": DIGITS_SIZE},
+                              eval_interval=4, registry_model=None, experiment="finetune-slow-link")
+        result = run_finetune(config)
+    assert set(result.trial_status.values()) == {"completed"}
+    client = MlflowClient(pretrained.tracking_uri)
+    experiment = client.get_experiment_by_name("finetune-slow-link").experiment_id
+    [trial] = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result.run_id}'")
+    assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(trial.info.run_id, "val_loss")] == [4]
 
 
 def test_a_sweep_whose_every_trial_fails_raises_one_error_naming_the_cause(digits_data, pretrained, tmp_path):

@@ -97,6 +97,7 @@ def test_asynchronous_metrics_are_all_stored_once_waited_for(client):
             buffer.flush()
     buffer.wait()
     assert len(client.get_metric_history(run_id, "train_loss")) == 300
+    buffer.close()  # stops MLflow's logging threads, which would hold up this process's exit
 
 
 def test_new_experiments_are_marked_as_model_training_for_the_mlflow_ui(client):

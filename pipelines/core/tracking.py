@@ -230,7 +230,8 @@ class MetricBuffer:
     One HTTP/database round trip per training step would cost more than a tiny
     model's step, so rank 0 buffers and flushes every few steps. With
     `asynchronous`, a flush hands the batch to MLflow's background logger and
-    returns at once; `wait` blocks until every batch sent so far is stored.
+    returns at once; `wait` blocks until every batch sent so far is stored, and
+    `close` also stops the background logger.
     """
 
     def __init__(self, client: MlflowClient, run_id: str, *, asynchronous: bool = False) -> None:
@@ -239,6 +240,7 @@ class MetricBuffer:
         self.asynchronous = asynchronous
         self._pending: list[Metric] = []
         self._in_flight: list[Any] = []  # RunOperations of asynchronous batches not yet waited for
+        self._sent_async = False  # whether MLflow's logging threads may be running for this buffer
 
     def add(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Queue `metrics` for `step`."""
@@ -259,12 +261,19 @@ class MetricBuffer:
         in_flight, self._in_flight = self._in_flight, []
         for operations in in_flight:
             operations.wait()
-        if in_flight:
-            # MLflow's logging threads, left running, hang the interpreter's exit (MLflow 3.17, checked here);
-            # the store starts them again on its next asynchronous call.
+        self._sent_async = self._sent_async or bool(in_flight)
+
+    def close(self) -> None:
+        """`wait`, then stop MLflow's logging threads if this buffer started them."""
+        self.wait()
+        if self._sent_async:
+            # Left running, they hang the interpreter's exit (MLflow 3.17, checked here). Stopping them waits
+            # up to 1 s for their queue poll, so `wait` alone leaves them be; the store starts them again on
+            # its next asynchronous call.
             queue = getattr(self.client._tracking_client.store, "_async_logging_queue", None)
             if queue is not None:
                 queue.shut_down_async_logging()
+            self._sent_async = False
 
 
 def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:

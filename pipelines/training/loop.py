@@ -198,9 +198,14 @@ def _evaluate(run: _Run, hooks: LoopHooks, val: Batches, step: int) -> dict[str,
 
 
 def _report(run: _Run, hooks: LoopHooks, report: dict[str, float], *, checkpoint: bool) -> None:
-    """`ray.train.report` on every rank; with `checkpoint`, rank 0 attaches the train state."""
+    """`ray.train.report` on every rank; with `checkpoint`, rank 0 attaches the train state.
+
+    Rank 0's metrics are stored first: Tune may stop a trial as soon as it sees a report (ASHA at a rung,
+    or at `max_t` on the last step), and stopping kills this process with whatever is still queued.
+    """
     import ray.train
 
+    run.log.wait()
     if not checkpoint:
         ray.train.report(report)
         return

@@ -144,6 +144,11 @@ class Rank0Log:
         if self.buffer is not None:
             self.buffer.flush()
 
+    def wait(self) -> None:
+        """Block until every metric queued so far is stored."""
+        if self.buffer is not None:
+            self.buffer.wait()
+
     def close(self) -> None:
         """Wait until every queued metric is stored; stop sampling system metrics."""
         if self.monitor is not None:
@@ -154,7 +159,7 @@ class Rank0Log:
             self.monitor.mlflow_logger.flush()
             self.monitor = None
         if self.buffer is not None:
-            self.buffer.wait()
+            self.buffer.close()
 
 
 def _system_metrics(run_id: str, tracking_uri: str) -> Any:
