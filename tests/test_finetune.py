@@ -144,7 +144,8 @@ def test_fine_tuning_at_twice_the_pretraining_resolution_starts_at_chance_and_lo
     best = next(r for r in sweep.children() if float(r.data.params["lr"]) == sweep.result.best_config["lr"])
     losses = sweep.history(best.info.run_id, "train_loss")
     assert losses[1] == pytest.approx(math.log(10), abs=1e-3)  # zero-initialised head: uniform logits
-    assert sum(losses[s] for s in range(STEPS - 3, STEPS + 1)) / 4 < math.log(10) - 0.3
+    last_four = [losses[s] for s in sorted(losses)[-4:]]  # ASHA may have stopped even the best trial early
+    assert sum(last_four) / 4 < math.log(10) - 0.3
 
 
 def test_trials_start_from_the_pretrained_backbone(sweep, pretrained, tmp_path):
