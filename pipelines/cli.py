@@ -305,7 +305,7 @@ def demo(
     sets: list[str] = typer.Option([], "--set", help="Override a demo spec field: STAGE.FIELD=VALUE."),
     video: bool = typer.Option(False, "--video", help="The video demo: a VTN on the pretrained ViT, on generated videos."),
 ) -> None:
-    """Pretrain on synthetic fractals, fine-tune on digits from it and from scratch, and compare (local, ~15 min)."""
+    """Pretrain on synthetic fractals, fine-tune on digits from it and from scratch, and compare (local, ~10 min on 2 cores)."""
     from pipelines.core.tracking import browse_hint  # deferred: tracking imports MLflow
     from pipelines.demo import run_demo  # deferred: the demo imports MLflow
 
