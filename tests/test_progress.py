@@ -100,6 +100,19 @@ def test_asynchronous_metrics_are_all_stored_once_waited_for(client):
     buffer.close()  # stops MLflow's logging threads, which would hold up this process's exit
 
 
+def test_closing_an_asynchronous_buffer_stops_mlflows_logging_threads_and_a_later_one_starts_them_again(client):
+    run_id = client.create_run(tracking.get_or_create_experiment(client, "async-close")).info.run_id
+    queue = client._tracking_client.store._async_logging_queue
+    for attempt in (1, 2):
+        buffer = tracking.MetricBuffer(client, run_id, asynchronous=True)
+        buffer.add({"train_loss": 1.0}, attempt)
+        buffer.wait()
+        assert queue.is_active()  # `wait` leaves the threads running: stopping them costs up to 1 s
+        buffer.close()
+        assert not queue.is_active()
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train_loss")) == [1, 2]
+
+
 def test_new_experiments_are_marked_as_model_training_for_the_mlflow_ui(client):
     experiment = client.get_experiment(tracking.get_or_create_experiment(client, "kind-new"))
     assert experiment.tags[tracking.TAG_EXPERIMENT_KIND] == "custom_model_development"

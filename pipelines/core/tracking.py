@@ -240,7 +240,6 @@ class MetricBuffer:
         self.asynchronous = asynchronous
         self._pending: list[Metric] = []
         self._in_flight: list[Any] = []  # RunOperations of asynchronous batches not yet waited for
-        self._sent_async = False  # whether MLflow's logging threads may be running for this buffer
 
     def add(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Queue `metrics` for `step`."""
@@ -261,19 +260,16 @@ class MetricBuffer:
         in_flight, self._in_flight = self._in_flight, []
         for operations in in_flight:
             operations.wait()
-        self._sent_async = self._sent_async or bool(in_flight)
 
     def close(self) -> None:
-        """`wait`, then stop MLflow's logging threads if this buffer started them."""
+        """`wait`, then stop the store's MLflow logging threads if they are running."""
         self.wait()
-        if self._sent_async:
-            # Left running, they hang the interpreter's exit (MLflow 3.17, checked here). Stopping them waits
-            # up to 1 s for their queue poll, so `wait` alone leaves them be; the store starts them again on
-            # its next asynchronous call.
-            queue = getattr(self.client._tracking_client.store, "_async_logging_queue", None)
-            if queue is not None:
-                queue.shut_down_async_logging()
-            self._sent_async = False
+        # Left running, they hang the interpreter's exit (MLflow 3.17, checked here). Stopping them waits up
+        # to 1 s for their queue poll, so `wait` alone leaves them be; the store starts them again on its
+        # next asynchronous call.
+        queue = getattr(self.client._tracking_client.store, "_async_logging_queue", None)
+        if queue is not None and queue.is_active():
+            queue.shut_down_async_logging()
 
 
 def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:
