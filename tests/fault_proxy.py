@@ -8,6 +8,10 @@ Faults, per object key and for a chosen number of requests (or for ever):
 * `reset`: reset the TCP connection before any response;
 * `truncate`: forward the request, then send the response head and half the body and reset.
 
+`delay(marker, seconds)` holds back, before forwarding, every request whose body holds `marker`, as a
+congested or distant link would: a fault of timing for any HTTP server (metrics still on the wire to
+an `mlflow server` when a process is stopped).
+
 A HEAD is answered as S3 answers one: the status line and no body.
 
 Every other request is forwarded byte for byte (a SigV4 signature covers the Host header
@@ -23,6 +27,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections import Counter
 from urllib.parse import unquote, urlsplit
 
@@ -46,6 +51,7 @@ class FaultProxy:
         self.injected: Counter[tuple[str, str]] = Counter()  # (key, fault) -> times done
         self.served: Counter[str] = Counter()  # key -> GETs forwarded untouched
         self._plan: dict[tuple[str, str], tuple[str, int | None]] = {}  # (method, key) -> (fault, times left)
+        self._delays: dict[bytes, float] = {}  # body marker -> seconds to hold the request
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._server = _Server(("127.0.0.1", 0), _Handler)
@@ -66,10 +72,16 @@ class FaultProxy:
         with self._lock:
             self._plan[method, key] = (fault, times)
 
+    def delay(self, marker: bytes, seconds: float) -> None:
+        """Hold every request whose body holds `marker` for `seconds` before forwarding it."""
+        with self._lock:
+            self._delays[marker] = seconds
+
     def clear(self) -> None:
         """No more faults."""
         with self._lock:
             self._plan.clear()
+            self._delays.clear()
 
     def __enter__(self) -> FaultProxy:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
@@ -123,6 +135,9 @@ class _Handler(socketserver.BaseRequestHandler):
         request_line, *header_lines = head.decode("latin-1").split("\r\n")
         method, target, _ = request_line.split(" ", 2)
         headers = [h for h in header_lines if h and not h.lower().startswith(("connection:", "expect:"))]
+        with proxy._lock:
+            hold = max((s for marker, s in proxy._delays.items() if marker in body), default=0.0)
+        time.sleep(hold)
         fault = proxy._fault_for(method, target)
         if fault is not None and fault[1] in _ANSWERS:
             status, code, message = _ANSWERS[fault[1]]

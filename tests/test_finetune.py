@@ -35,7 +35,7 @@ from pipelines.image.finetune import FinetuneConfig, FinetuneResult, run_finetun
 from pipelines.image.finetune_trial import latest_checkpoint
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json
-from tests.slow_link import slow_link
+from tests.fault_proxy import FaultProxy
 from tests.transfer_fixtures import DIGITS_SIZE
 
 pytestmark = pytest.mark.slow
@@ -268,8 +268,9 @@ def test_a_pbt_sweep_runs_its_trials_in_segments_to_the_last_step(digits_data, p
 def test_a_trial_that_tune_stops_on_its_last_report_has_every_step_metric_stored(digits_data, pretrained, tmp_path):
     # ASHA stops a trial as soon as it reports its last step (max_t), and stopping kills the trial's workers.
     # Over a link that holds rank 0's step metrics back longer than that takes, they are still on the wire then.
-    with slow_link(pretrained.tracking_uri, b'"train_loss"', delay_s=8) as tracking_uri:
-        config = sweep_config(digits_data, pretrained.run_id, tracking_uri, tmp_path, run_name="slow-link",
+    with FaultProxy(pretrained.tracking_uri, timeout=120) as slow_link:
+        slow_link.delay(b'"train_loss"', seconds=8)
+        config = sweep_config(digits_data, pretrained.run_id, slow_link.url, tmp_path, run_name="slow-link",
                               search_space={"lr": {"grid": [0.03]}, "steps": 4, "resolution": DIGITS_SIZE},
                               eval_interval=4, registry_model=None, experiment="finetune-slow-link")
         result = run_finetune(config)
