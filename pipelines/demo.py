@@ -1,8 +1,8 @@
 """`vitpipe demo`: the whole pipeline on this machine, with nothing running beforehand.
 
 A local Ray, a `sqlite:///` MLflow store and one working directory, which holds
-every file the demo writes (MLflow's artifacts too: `<workdir>/mlartifacts`). It writes a
-synthetic fractal corpus and scikit-learn's digits, then runs
+every file the demo writes (MLflow's artifacts too: `<workdir>/mlartifacts`, beside its
+`mlflow.db`). It writes a synthetic fractal corpus and scikit-learn's digits, then runs
 `pipelines/specs/demo.yaml`: pretrain a small ViT on the fractals, fine-tune on
 the digits from that checkpoint and from scratch, and probe the pretrained
 features few-shot. Both fine-tuned models are registered as versions of
@@ -18,7 +18,6 @@ registered as `vitpipe-demo-vtn`.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from collections.abc import Callable
@@ -38,9 +37,7 @@ FRACTALS = dict(images=6000, classes=100, size=32)
 DIGITS_SIZE = 16
 VIDEOS = dict(videos=240, classes=6, size=32, frames=48)
 _DONE = ".vitpipe-corpus-complete"
-ARTIFACTS = "mlartifacts"  # MLflow's artifact root, under the work folder
 
-logger = logging.getLogger(__name__)
 # The demo's own Ray holds at most this much in its object store (Ray's default is 30% of the machine's
 # memory), so the demo's footprint does not grow with the machine; its data are a few MB.
 OBJECT_STORE_BYTES = 2**30
@@ -76,26 +73,6 @@ def demo_spec(workdir: Path, overrides: list[str] = (), video: bool = False) -> 
     else:
         placed += [f"digits.source={corpus / 'digits'}", f"digits.manifest={corpus / 'digits'}/manifest.csv"]
     return load_spec(VIDEO_DEMO_SPEC if video else DEMO_SPEC, [*placed, *overrides])
-
-
-def keep_artifacts_under(spec: PipelineSpec, workdir: Path) -> None:
-    """Create the demo's experiment with its artifact root at `workdir/mlartifacts`.
-
-    A `sqlite:///` store has no artifact root of its own: without this, MLflow
-    writes every artifact to `./mlruns` of the directory the demo started from.
-    """
-    from mlflow.tracking import MlflowClient
-
-    if not spec.resolved_tracking_uri().startswith("sqlite:"):
-        return  # a tracking server (`--set tracking_uri=...`) has its own artifact root
-    client = MlflowClient(spec.resolved_tracking_uri())
-    experiment = client.get_experiment_by_name(spec.experiment)
-    if experiment is None:
-        client.create_experiment(spec.experiment, artifact_location=(workdir / ARTIFACTS).as_uri())
-    elif not experiment.artifact_location.startswith(workdir.as_uri()):
-        logger.warning("experiment %r keeps its artifacts at %s, outside %s (made by an older vitpipe); "
-                       "a new --workdir keeps everything in one place", spec.experiment,
-                       experiment.artifact_location, workdir)
 
 
 def comparison(result: PipelineResult) -> str:
@@ -164,12 +141,11 @@ def run_demo(workdir: str | os.PathLike[str] = "vitpipe-work", overrides: list[s
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(root, list(overrides), video=video)
-    keep_artifacts_under(spec, root)
     start_ray()
     _write_corpora(root, video=video)
     result = run_pipeline(spec)
     return result, video_comparison(result) if video else comparison(result)
 
 
-__all__ = ["DEMO_SPEC", "OBJECT_STORE_BYTES", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "keep_artifacts_under",
-           "run_demo", "start_ray", "video_comparison"]
+__all__ = ["DEMO_SPEC", "OBJECT_STORE_BYTES", "VIDEO_DEMO_SPEC", "comparison", "demo_spec", "run_demo", "start_ray",
+           "video_comparison"]

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 import vit
 from pipelines.core import registry, tracking
-from pipelines.demo import demo_spec, keep_artifacts_under
+from pipelines.demo import demo_spec
 from pipelines.training.starting_weights import fetch_starting_weights
 
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin")
@@ -245,7 +245,6 @@ def test_the_demo_keeps_mlflow_artifacts_under_its_work_folder(tmp_path, monkeyp
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = demo_spec(work)
     work.mkdir()
-    keep_artifacts_under(spec, work)
     client = MlflowClient(spec.resolved_tracking_uri())
     run_id, _ = tracking.start_stage_run(client, spec.experiment, "finetune", "demo")
     vit.save_checkpoint(_model(), work / "ckpt")

@@ -118,6 +118,18 @@ def test_new_experiments_are_marked_as_model_training_for_the_mlflow_ui(client):
     assert experiment.tags[tracking.TAG_EXPERIMENT_KIND] == "custom_model_development"
 
 
+def test_a_new_experiment_of_a_sqlite_store_keeps_its_artifacts_beside_the_database(tmp_path, monkeypatch):
+    store, started_in = tmp_path / "store", tmp_path / "cwd"
+    store.mkdir(), started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    client = MlflowClient(f"sqlite:///{store}/mlflow.db")
+    run_id = client.create_run(tracking.get_or_create_experiment(client, "beside")).info.run_id
+    tracking.log_dict_artifact(client, run_id, {"a": 1}, "config.json")
+    assert list(started_in.iterdir()) == []  # MLflow's own default is ./mlruns of the creating process
+    assert client.get_run(run_id).info.artifact_uri.startswith((store / "mlartifacts").as_uri())
+    assert [p.name for p in (store / "mlartifacts").rglob("*.json")] == ["config.json"]
+
+
 def test_an_existing_experiment_without_a_kind_gets_one_and_a_chosen_kind_is_kept(client):
     bare = client.create_experiment("kind-bare")
     chosen = client.create_experiment("kind-chosen", tags={tracking.TAG_EXPERIMENT_KIND: "finetuning"})

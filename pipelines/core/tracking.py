@@ -27,6 +27,8 @@ from pydantic import SecretBytes, SecretStr
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# Where a `sqlite:///` store's experiments keep their artifacts: this folder beside the database file.
+SQLITE_ARTIFACTS = "mlartifacts"
 
 TAG_STAGE = "vitpipe.stage"
 TAG_CONFIG_HASH = "vitpipe.config_hash"
@@ -65,6 +67,20 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         return prefix + os.path.abspath(uri[len(prefix):])
     return uri
+
+
+def local_artifact_root(tracking_uri: str) -> str | None:
+    """The artifact root for a new experiment of a `sqlite:///` store: `mlartifacts/` beside the database.
+
+    MLflow's own default is `./mlruns` of whichever process creates the experiment, so one store's
+    artifacts would land in the directory each user (or test) happened to start from. None for a
+    tracking server or a file store: they have artifact roots of their own.
+    """
+    uri = resolve_tracking_uri(tracking_uri)
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    return (database.parent / SQLITE_ARTIFACTS).as_uri()
 
 
 def is_credential(key: Any, value: Any) -> bool:
@@ -142,11 +158,13 @@ def browse_hint(tracking_uri: str, run_id: str) -> str:
 def get_or_create_experiment(client: MlflowClient, name: str) -> str:
     """The id of the named experiment, created if missing, marked as model training for MLflow's UI.
 
-    An existing experiment without a kind gets one; a kind someone chose is kept.
+    An existing experiment without a kind gets one; a kind someone chose is kept. A new experiment of a
+    `sqlite:///` store keeps its artifacts beside the database (`local_artifact_root`).
     """
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
-        return client.create_experiment(name, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+        return client.create_experiment(name, artifact_location=local_artifact_root(client.tracking_uri),
+                                        tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
     if experiment.lifecycle_stage != "active":
         raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or choose another name")
     if TAG_EXPERIMENT_KIND not in experiment.tags:
