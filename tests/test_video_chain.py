@@ -60,9 +60,7 @@ def chain(ray_cluster, s3_server, tmp_path_factory):
     s3.create_bucket(Bucket=bucket)
     synth_video_corpus(str(tmp / "corpus"), videos=12, classes=2, size=32, frames=FRAMES, seed=1)
     source = upload_tree(s3, tmp / "corpus", bucket, "corpus")
-    # The experiment first, with its artifacts under tmp (a SQLite store's default is ./mlruns of the cwd).
     client = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
-    client.create_experiment(EXPERIMENT, artifact_location=(tmp / "artifacts").as_uri())
     backbone = logged_backbone_run(tmp, EXPERIMENT, steps=20)
     spec = parse_spec(chain_spec(bucket, s3_server.endpoint_url, source, backbone), "video-chain.yaml")
     with pytest.MonkeyPatch.context() as mp:  # the driver reads and writes S3 through the standard AWS chain
