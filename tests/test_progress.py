@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,24 @@ def test_a_new_experiment_of_a_sqlite_store_keeps_its_artifacts_beside_the_datab
     assert list(started_in.iterdir()) == []  # MLflow's own default is ./mlruns of the creating process
     assert client.get_run(run_id).info.artifact_uri.startswith((store / "mlartifacts").as_uri())
     assert [p.name for p in (store / "mlartifacts").rglob("*.json")] == ["config.json"]
+
+
+def test_clients_making_the_same_experiment_at_once_all_get_the_one_experiment(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(uri).search_experiments()  # the schema first: its creation is not what is raced here
+    start, ids = threading.Barrier(8), []
+
+    def make() -> None:
+        client = MlflowClient(uri)
+        start.wait()
+        ids.append(tracking.get_or_create_experiment(client, "raced"))
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(ids) == 8 and set(ids) == {MlflowClient(uri).get_experiment_by_name("raced").experiment_id}
 
 
 def test_an_existing_experiment_without_a_kind_gets_one_and_a_chosen_kind_is_kept(client):

@@ -21,6 +21,8 @@ from typing import Any
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 from pydantic import SecretBytes, SecretStr
 
@@ -163,8 +165,13 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
     """
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
-        return client.create_experiment(name, artifact_location=local_artifact_root(client.tracking_uri),
-                                        tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+        try:
+            return client.create_experiment(name, artifact_location=local_artifact_root(client.tracking_uri),
+                                            tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+        except MlflowException as err:  # another process made it between the lookup and here
+            if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                raise
+            experiment = client.get_experiment_by_name(name)
     if experiment.lifecycle_stage != "active":
         raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or choose another name")
     if TAG_EXPERIMENT_KIND not in experiment.tags:
