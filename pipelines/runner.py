@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.core import tracking
+from pipelines.core import run_owner, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
@@ -104,8 +104,9 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     context = _Context(spec, client, result, ray_address)
     pipeline = context.pipeline
     try:
-        for name in spec.order():
-            pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
+        with run_owner.heartbeat(client, pipeline.run_id):
+            for name in spec.order():
+                pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
     except BaseException:  # Ctrl-C, or the driver's own failure: the pipeline run must not stay RUNNING
         tracking.end_run(client, pipeline.run_id, False)
         raise

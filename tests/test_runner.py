@@ -248,3 +248,38 @@ def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretrai
     client = MlflowClient(load_spec(spec_file).resolved_tracking_uri())
     tags = client.get_run(rows["pretrain"][-1]).data.tags
     assert int(tags["vitpipe.resumed_from_step"]) >= 4  # from its checkpoint, not from step 0
+
+
+def test_a_second_run_of_a_pipeline_that_is_still_running_is_refused_in_one_line(ray_cluster, corpus, tmp_path):
+    spec_file = write_spec(tmp_path, corpus, only=("corpus", "pretrain"), steps=10_000)
+    command = [sys.executable, "-m", "pipelines.cli", "run", str(spec_file), "--address", ray_cluster.address]
+    repo = Path(__file__).resolve().parents[1]
+    log = tmp_path / "first.log"
+    client = MlflowClient(load_spec(spec_file).resolved_tracking_uri())
+    client.search_experiments()  # the store's tables made here, not raced with the first run's
+    with open(log, "ab") as out:
+        first = subprocess.Popen(command, cwd=repo, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (runs := _pipeline_runs(client)):
+            assert first.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first run opened no pipeline run in time"
+            time.sleep(0.5)
+        second = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=120)
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode != 0 and len(errors) == 1, second.stderr[-2000:]
+        assert (f"pipeline run {runs[0].info.run_id} is being executed by another vitpipe (pid {first.pid} on "
+                in errors[0])
+        assert first.poll() is None  # the first run goes on
+        assert client.get_run(runs[0].info.run_id).info.status == "RUNNING"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def _pipeline_runs(client: MlflowClient) -> list:
+    """The pipeline runs of the runner tests' experiment; none before the experiment is made."""
+    experiment = client.get_experiment_by_name("runner-tests")
+    if experiment is None:
+        return []
+    return client.search_runs([experiment.experiment_id], f"tags.`{tracking.TAG_STAGE}` = 'pipeline'")

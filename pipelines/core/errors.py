@@ -45,6 +45,10 @@ class IngestError(VitpipeError):
     """The ingest stage refused its input (too many rejected objects, a bad manifest)."""
 
 
+class RunInUse(VitpipeError):
+    """A run is being executed by another live vitpipe process (see `pipelines.core.run_owner`)."""
+
+
 def find_vitpipe_error(exc: BaseException) -> VitpipeError | None:
     """The `VitpipeError` behind `exc`, looking through Ray's wrappers and exception chains.
 
@@ -82,7 +86,7 @@ def error_class(name: str) -> type[VitpipeError]:
 _TRACEBACK_LINE = re.compile(r"^pipelines\.core\.errors\.(\w+): (.+)$", re.MULTILINE)
 _CLASSES: dict[str, type[VitpipeError]] = {
     c.__name__: c for c in (VitpipeError, StorageError, TransientStorageError, StoreAccessError, ObjectTooLarge,
-                             IngestError)
+                             IngestError, RunInUse)
 }
 
 

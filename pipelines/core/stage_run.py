@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import tracking
+from pipelines.core import run_owner, tracking
 
 logger = logging.getLogger(__name__)
 FINISHED = "FINISHED"
@@ -110,7 +110,8 @@ def stage_run(
         logger.info("%s: resuming run %s (was %s)", stage, run_id, previous)
     ok = False
     try:
-        yield run
+        with run_owner.heartbeat(client, run_id):  # so that a second vitpipe sees this one is alive
+            yield run
         ok = True
     finally:
         tracking.end_run(client, run_id, ok)

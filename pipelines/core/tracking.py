@@ -26,6 +26,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 from pydantic import SecretBytes, SecretStr
 
+from pipelines.core import run_owner
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -205,16 +206,20 @@ def start_stage_run(
     A run tagged with the same stage and config digest that did not finish is
     reopened (a resumed execution stays one run); `previous_status` is then its
     old status ("RUNNING", "FAILED", "KILLED"), "FINISHED" for a finished run that
-    is returned untouched, or "" for a new run.
+    is returned untouched, or "" for a new run. A RUNNING run whose owner still runs is refused
+    (`run_owner.RunInUse`); the run opened records this process as its owner.
     """
     experiment_id = get_or_create_experiment(client, experiment)
     previous = find_stage_run(client, experiment_id, stage, digest)
     if previous is not None:
-        status = previous.info.status
+        status, run_id = previous.info.status, previous.info.run_id
+        if status == "RUNNING":
+            run_owner.refuse_if_in_use(stage, run_id, previous.data.tags)
         if status != "FINISHED":
-            client.update_run(previous.info.run_id, status="RUNNING")
-        return previous.info.run_id, status
-    all_tags = {TAG_STAGE: stage, TAG_CONFIG_HASH: digest, **(tags or {})}
+            set_tags(client, run_id, run_owner.Owner.me().tag())
+            client.update_run(run_id, status="RUNNING")
+        return run_id, status
+    all_tags = {TAG_STAGE: stage, TAG_CONFIG_HASH: digest, **(tags or {}), **run_owner.Owner.me().tag()}
     if parent_run_id:
         all_tags[TAG_PARENT] = parent_run_id
     run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)

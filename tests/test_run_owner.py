@@ -1,0 +1,108 @@
+"""A RUNNING run is executed by one process: a live owner is refused, a dead one taken over.
+
+The owners here are real processes: a Python process that opens the run through
+`tracking.start_stage_run` and then waits, SIGKILLed where the test needs a dead one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipelines.core import run_owner, tracking
+from pipelines.core.errors import RunInUse
+from pipelines.core.run_owner import Owner
+
+OPEN_AND_WAIT = textwrap.dedent("""
+    import sys, time
+    from mlflow.tracking import MlflowClient
+    from pipelines.core import tracking
+    run_id, _ = tracking.start_stage_run(MlflowClient(sys.argv[1]), "owners", "pretrain", "abc")
+    print(run_id, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture
+def owner(uri) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A live process that opened the run; returns it and the run's id."""
+    process = subprocess.Popen([sys.executable, "-c", OPEN_AND_WAIT, uri], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id = process.stdout.readline().strip()
+        assert run_id, "the owner process did not open the run"
+        yield process, run_id
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_running_run_whose_owner_is_alive_is_refused_in_one_line_naming_run_and_process(uri, owner):
+    process, run_id = owner
+    with pytest.raises(RunInUse) as refused:
+        tracking.start_stage_run(MlflowClient(uri), "owners", "pretrain", "abc")
+    message = str(refused.value)
+    assert f"pretrain run {run_id} is being executed by another vitpipe (pid {process.pid} on " in message
+    assert "\n" not in message
+    assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # the live run is left as it was
+
+
+def test_a_running_run_whose_owner_was_sigkilled_is_taken_over_at_once(uri, owner):
+    process, run_id = owner
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    again, previous = tracking.start_stage_run(MlflowClient(uri), "owners", "pretrain", "abc")
+    assert (again, previous) == (run_id, "RUNNING")
+    recorded = Owner.from_tags(MlflowClient(uri).get_run(run_id).data.tags)
+    assert (recorded.host, recorded.pid) == (socket.gethostname(), os.getpid())
+
+
+def test_a_process_that_reuses_the_owners_pid_is_not_the_owner():
+    started = psutil.Process().create_time()
+    assert Owner(socket.gethostname(), os.getpid(), started, time.time()).alive()
+    assert not Owner(socket.gethostname(), os.getpid(), started - 3600, time.time()).alive()
+
+
+def test_an_owner_on_another_host_is_alive_while_its_heartbeat_is_younger_than_the_stale_limit():
+    now = time.time()
+    assert Owner("another-host", 1, now - 3600, now - run_owner.STALE_AFTER_S + 10).alive()
+    assert not Owner("another-host", 1, now - 3600, now - run_owner.STALE_AFTER_S - 10).alive()
+
+
+def test_a_run_with_an_unreadable_owner_tag_is_taken_over(uri):
+    client = MlflowClient(uri)
+    run_id, _ = tracking.start_stage_run(client, "owners", "pretrain", "abc")
+    client.set_tag(run_id, run_owner.TAG_OWNER, "not json")
+    assert tracking.start_stage_run(client, "owners", "pretrain", "abc") == (run_id, "RUNNING")
+
+
+def test_the_owners_heartbeat_advances_while_its_block_runs(uri, monkeypatch):
+    monkeypatch.setattr(run_owner, "HEARTBEAT_S", 0.05)
+    client = MlflowClient(uri)
+    run_id, _ = tracking.start_stage_run(client, "owners", "pretrain", "abc")
+
+    def beat() -> float:
+        return json.loads(client.get_run(run_id).data.tags[run_owner.TAG_OWNER])["heartbeat"]
+
+    opened = beat()
+    with run_owner.heartbeat(client, run_id):
+        deadline = time.monotonic() + 10
+        while beat() == opened:
+            assert time.monotonic() < deadline, "no heartbeat was recorded"
+            time.sleep(0.05)
+    assert beat() > opened
