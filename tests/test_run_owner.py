@@ -84,6 +84,13 @@ def test_an_owner_on_another_host_is_alive_while_its_heartbeat_is_younger_than_t
     assert not Owner("another-host", 1, now - 3600, now - run_owner.STALE_AFTER_S - 10).alive()
 
 
+def test_a_refusal_for_an_owner_on_another_host_says_when_the_run_can_be_taken_over():
+    tags = Owner("another-host", 7, time.time() - 3600, time.time() - 20).tag()
+    with pytest.raises(RunInUse, match=r"pid 7 on another-host, heartbeat 20 s ago\); wait for it to end, "
+                                       r"or, if it is gone, run again in 100 s to resume"):
+        run_owner.refuse_if_in_use("pretrain", "abc123", tags)
+
+
 def test_a_run_with_an_unreadable_owner_tag_is_taken_over(uri):
     client = MlflowClient(uri)
     run_id, _ = tracking.start_stage_run(client, "owners", "pretrain", "abc")

@@ -82,9 +82,11 @@ def refuse_if_in_use(kind: str, run_id: str, tags: Mapping[str, str]) -> None:
     owner = Owner.from_tags(tags)
     if owner is None or (owner.host, owner.pid) == (socket.gethostname(), os.getpid()) or not owner.alive():
         return
+    age = time.time() - owner.heartbeat
+    then = ("or stop it and run again to resume" if owner.host == socket.gethostname() else
+            f"or, if it is gone, run again in {STALE_AFTER_S - age:.0f} s to resume")
     raise RunInUse(f"{kind} run {run_id} is being executed by another vitpipe (pid {owner.pid} on {owner.host}, "
-                   f"heartbeat {time.time() - owner.heartbeat:.0f} s ago); wait for it to end, or stop it "
-                   "and run again to resume")
+                   f"heartbeat {age:.0f} s ago); wait for it to end, {then}")
 
 
 @contextmanager
