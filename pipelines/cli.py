@@ -321,7 +321,7 @@ def demo(
 def runs(
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="Default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."),
 ) -> None:
-    """A table of pipeline runs in the MLflow store."""
+    """A table of pipeline runs in the MLflow store (INTERRUPTED: its process is gone; run the spec again to resume)."""
     from pipelines.runner import format_table, pipeline_runs  # deferred: the runner imports MLflow
 
     rows = pipeline_runs(tracking_uri)

@@ -218,7 +218,10 @@ def _record_shards(context: _Context, kind: str, config: Any, result: Any, force
 
 
 def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict[str, str]]:
-    """The newest pipeline runs in the tracking store, across experiments: name, status, start, stages, run id."""
+    """The newest pipeline runs in the tracking store, across experiments: name, status, start, stages, run id.
+
+    A RUNNING run whose process is gone shows as INTERRUPTED (rerun the spec to resume it).
+    """
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
@@ -234,7 +237,7 @@ def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict
                                       filter_string=f"tags.`{tracking.TAG_PARENT}` = '{run.info.run_id}'")
         rows.append({
             "pipeline": run.data.tags.get(TAG_PIPELINE, run.info.run_name or ""),
-            "status": run.info.status,
+            "status": run_owner.shown_status(run.info.status, run.data.tags),
             "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(run.info.start_time / 1000)),
             "stages": str(len(children)),
             "run_id": run.info.run_id,

@@ -28,7 +28,8 @@ OPEN_AND_WAIT = textwrap.dedent("""
     import sys, time
     from mlflow.tracking import MlflowClient
     from pipelines.core import tracking
-    run_id, _ = tracking.start_stage_run(MlflowClient(sys.argv[1]), "owners", "pretrain", "abc")
+    run_id, _ = tracking.start_stage_run(MlflowClient(sys.argv[1]), "owners", sys.argv[2], "abc",
+                                         tags={"vitpipe.pipeline": "nightly"})
     print(run_id, flush=True)
     time.sleep(600)
 """)
@@ -39,10 +40,8 @@ def uri(tmp_path) -> str:
     return f"sqlite:///{tmp_path}/mlflow.db"
 
 
-@pytest.fixture
-def owner(uri) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A live process that opened the run; returns it and the run's id."""
-    process = subprocess.Popen([sys.executable, "-c", OPEN_AND_WAIT, uri], stdout=subprocess.PIPE, text=True)
+def _owner(uri: str, stage: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    process = subprocess.Popen([sys.executable, "-c", OPEN_AND_WAIT, uri, stage], stdout=subprocess.PIPE, text=True)
     try:
         run_id = process.stdout.readline().strip()
         assert run_id, "the owner process did not open the run"
@@ -50,6 +49,26 @@ def owner(uri) -> Iterator[tuple[subprocess.Popen, str]]:
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.fixture
+def owner(uri) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A live process that opened a pretrain run; returns it and the run's id."""
+    yield from _owner(uri, "pretrain")
+
+
+@pytest.fixture
+def pipeline_owner(uri) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A live process that opened a pipeline run (named "nightly"); returns it and the run's id."""
+    yield from _owner(uri, "pipeline")
+
+
+def vitpipe_runs(uri: str) -> dict[str, list[str]]:
+    """`vitpipe runs`' table: run id -> its row's cells."""
+    shown = subprocess.run([sys.executable, "-m", "pipelines.cli", "runs", "--tracking-uri", uri],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    return {line.split()[-1]: line.split() for line in shown.stdout.splitlines()[1:]}
 
 
 def test_a_running_run_whose_owner_is_alive_is_refused_in_one_line_naming_run_and_process(uri, owner):
@@ -113,3 +132,18 @@ def test_the_owners_heartbeat_advances_while_its_block_runs(uri, monkeypatch):
             assert time.monotonic() < deadline, "no heartbeat was recorded"
             time.sleep(0.05)
     assert beat() > opened
+
+
+def test_vitpipe_runs_shows_a_pipeline_whose_process_lives_as_running(uri, pipeline_owner):
+    _, run_id = pipeline_owner
+    row = vitpipe_runs(uri)[run_id]
+    assert (row[0], row[1]) == ("nightly", "RUNNING")
+
+
+def test_vitpipe_runs_shows_a_pipeline_whose_process_was_sigkilled_as_interrupted(uri, pipeline_owner):
+    process, run_id = pipeline_owner
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    row = vitpipe_runs(uri)[run_id]
+    assert (row[0], row[1]) == ("nightly", "INTERRUPTED")
+    assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # shown so, not rewritten in the store

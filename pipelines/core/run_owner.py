@@ -89,6 +89,12 @@ def refuse_if_in_use(kind: str, run_id: str, tags: Mapping[str, str]) -> None:
                    f"heartbeat {age:.0f} s ago); wait for it to end, {then}")
 
 
+def shown_status(status: str, tags: Mapping[str, str]) -> str:
+    """A run's status as a person should read it: a RUNNING run whose owner is gone is "INTERRUPTED"."""
+    owner = Owner.from_tags(tags)
+    return "INTERRUPTED" if status == "RUNNING" and owner is not None and not owner.alive() else status
+
+
 @contextmanager
 def heartbeat(client: MlflowClient, run_id: str) -> Iterator[None]:
     """Refresh this process's owner tag on `run_id` every `HEARTBEAT_S` until the block ends.
