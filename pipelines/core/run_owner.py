@@ -11,8 +11,8 @@ runs. A process that finds the run RUNNING judges that owner:
 - on another host, alive while its heartbeat is younger than `STALE_AFTER_S`.
 
 A live owner is refused in one line; a dead one, or a run without the tag, is taken
-over. Two processes that find a dead owner at the very same moment can both take the
-run over: MLflow has no compare-and-set.
+over. Two processes that open the same run at the very same moment (a new run, or a
+dead owner's) can both execute it: MLflow has no compare-and-set.
 """
 
 from __future__ import annotations
