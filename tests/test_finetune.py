@@ -200,6 +200,15 @@ def _experiment_trials(path: Path) -> dict[str, str]:
     return {t["trial_id"]: t["status"] for t in trials}
 
 
+def _wait_for_the_second_trial(driver: subprocess.Popen, sweep_dir: Path, log: Path) -> None:
+    """Until the first of two trials run one after the other has finished and the second is recorded, not finished."""
+    deadline = time.monotonic() + 400
+    while sorted(_experiment_trials(sweep_dir).values()) not in (["PENDING", "TERMINATED"], ["RUNNING", "TERMINATED"]):
+        assert driver.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no interruption point in time: {_experiment_trials(sweep_dir)}"
+        time.sleep(0.5)
+
+
 def _snapshot(directory: Path) -> dict[str, int]:
     return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file()}
 
@@ -217,12 +226,7 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
     with open(log, "ab") as out:
         first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 400
-        # Kill once the first trial has finished and the second is recorded but not yet finished.
-        while sorted(_experiment_trials(sweep_dir).values()) not in (["PENDING", "TERMINATED"], ["RUNNING", "TERMINATED"]):
-            assert first.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no kill point in time: {_experiment_trials(sweep_dir)}"
-            time.sleep(0.5)
+        _wait_for_the_second_trial(first, sweep_dir, log)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver mid-sweep
         first.wait()
@@ -246,6 +250,36 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
     assert [r.info.run_id for r in stage_runs] == [result["run_id"]]  # the rerun reopened the killed run
     children = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result['run_id']}'")
     assert sorted(r.data.tags["vitpipe.trial_id"] for r in children) == sorted(before)
+
+
+def test_a_sweep_stopped_by_ctrl_c_ends_failed_says_so_in_one_line_and_registers_nothing(digits_data, pretrained,
+                                                                                        ray_cluster, tmp_path):
+    # Tune returns from `fit` on SIGINT, its state saved, with the second trial unfinished (400 steps).
+    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="ctrl-c",
+                          search_space={"lr": 0.02, "steps": {"grid": [4, 400]}}, scheduler="fifo",
+                          max_concurrent_trials=1, registry_model="ctrl-c-digits", experiment="finetune-ctrl-c")
+    config_file = tmp_path / "finetune.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    log = tmp_path / "stage.log"
+    command = [sys.executable, "-m", "pipelines.cli", "finetune", str(config_file), "--address", ray_cluster.address]
+    with open(log, "ab") as out:
+        driver = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_the_second_trial(driver, tmp_path / "runs" / "ctrl-c", log)
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(timeout=120) == 1
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, log.read_text()[-3000:]
+    assert "finetune: the sweep was stopped before it ended (1 of 2 trials ended); run it again" in errors[0]
+    client = MlflowClient(config.tracking_uri)
+    experiment = client.get_experiment_by_name(config.experiment).experiment_id
+    [stage_run] = client.search_runs([experiment], filter_string="tags.`vitpipe.stage` = 'finetune'")
+    assert stage_run.info.status == "FAILED" and "vitpipe.best_trial" not in stage_run.data.tags
+    assert client.search_registered_models(filter_string="name = 'ctrl-c-digits'") == []
 
 
 # ---------------------------------------------------------------- bad input

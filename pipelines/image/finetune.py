@@ -37,7 +37,7 @@ from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
 from pipelines.core.storage import S3Settings
 from pipelines.image.labeled_rows import DataSpec, raw_bytes
-from pipelines.image.finetune_results import register_best_model, report_sweep, sweep_score
+from pipelines.image.finetune_results import check_sweep_ended, register_best_model, report_sweep, sweep_score
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
 from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
 from pipelines.training.recipe import (
@@ -291,6 +291,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
                              init_path=stage_init(start.model, storage_path, filesystem, run.name),
                              location=(storage_path, filesystem), per_worker=per_worker)
         result_grid = _run_sweep(config, ctx, storage_path, filesystem, run.name, concurrent, resolutions[0])
+        check_sweep_ended(result_grid, config.space.num_trials(config.searcher, config.num_samples), filesystem)
         report_sweep(client, run.run_id, ctx, result_grid, metric=config.metric, mode=config.sweep_mode,
                      searched=[n for n, p in config.space.params.items() if p.kind is not None] or ["lr"],
                      registry_model=config.registry_model, lineage=tags)

@@ -147,6 +147,23 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
         return vit.load_checkpoint(tmp)
 
 
+def check_sweep_ended(result_grid: Any, trials: int, filesystem: Any = None) -> None:
+    """Raise a one-line `VitpipeError` unless all `trials` of the sweep ended (finished, stopped or failed).
+
+    Tune returns from `fit` on Ctrl-C or SIGUSR1 too, its state saved to resume from, and the trials it
+    returns then read TERMINATED; the saved state keeps the truth (trials unfinished, grid points never
+    started), so it is what is read here. Such a sweep must end the run FAILED (a rerun resumes it), never be
+    reported, registered and reused as if it were whole.
+    """
+    from ray.tune import ExperimentAnalysis
+
+    saved = ExperimentAnalysis(result_grid.experiment_path, storage_filesystem=filesystem).trials
+    ended = [t for t in saved if t.status in ("TERMINATED", "ERROR")]
+    if len(ended) < trials:
+        raise VitpipeError(f"finetune: the sweep was stopped before it ended ({len(ended)} of {trials} trials "
+                           "ended); run it again to resume it")
+
+
 def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric: str, mode: str,
                  searched: list[str], registry_model: str | None, lineage: dict[str, str]) -> None:
     """Everything after `Tuner.fit`: close the trial runs, plot the sweep, test, log and register the best trial.
@@ -220,6 +237,7 @@ def register_best_model(client: Any, run_id: str, name: str, lineage: dict[str, 
 
 
 __all__ = [
+    "check_sweep_ended",
     "evaluate_split",
     "figure_of_trial_curves",
     "finish_trial_runs",
