@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 import psutil
 import ray
@@ -123,17 +124,6 @@ def data_context(settings: dict[str, Any]) -> Iterator[None]:
             setattr(ctx, name, value)
 
 
-@contextlib.contextmanager
-def swapped(owner: object, name: str, value: object) -> Iterator[None]:
-    """`owner.<name>` replaced by `value` for the block, then restored."""
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 class ShardStep:
     """The stage's shard step as a callable class, which Ray Data runs on an actor pool."""
 
@@ -166,14 +156,14 @@ def actor_pipeline(
         """A method that forwards to `_map_shards_on_actors` with the real `map_batches`."""
         return _map_shards_on_actors(map_batches, ds, fn, *args, **kwargs)
 
-    with swapped(ray.data.Dataset, "map_batches", patched):
+    with mock.patch.object(ray.data.Dataset, "map_batches", patched):
         return STAGE_PIPELINE(config, source, manifest, out, fingerprint, kind)
 
 
 def run_variant(variant: Variant, config: IngestConfig, n: int) -> float:
     """Images/s of the whole stage over `n` images, run the way `variant` says."""
     pipeline = actor_pipeline if variant.actors else STAGE_PIPELINE
-    with data_context(variant.settings), swapped(core_ingest, "_run_pipeline", pipeline):
+    with data_context(variant.settings), mock.patch.object(core_ingest, "_run_pipeline", pipeline):
         return it.stage(config, n)
 
 
