@@ -200,6 +200,18 @@ def _experiment_trials(path: Path) -> dict[str, str]:
     return {t["trial_id"]: t["status"] for t in trials}
 
 
+def _start_vitpipe_finetune(config: FinetuneConfig, tmp: Path,
+                            address: str) -> tuple[subprocess.Popen, list[str], Path]:
+    """`vitpipe finetune` of `config` started in a session of its own; returns it, its command and its log."""
+    config_file = tmp / "finetune.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    log = tmp / "stage.log"
+    command = [sys.executable, "-m", "pipelines.cli", "finetune", str(config_file), "--address", address]
+    with open(log, "ab") as out:
+        driver = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return driver, command, log
+
+
 def _wait_for_the_second_trial(driver: subprocess.Popen, sweep_dir: Path, log: Path) -> None:
     """Until the first of two trials run one after the other has finished and the second is recorded, not finished."""
     deadline = time.monotonic() + 400
@@ -218,13 +230,8 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
     config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="killed",
                           search_space={"lr": 0.02, "steps": {"grid": [4, 24]}}, scheduler="fifo",
                           max_concurrent_trials=1, registry_model=None, experiment="finetune-resume")
-    config_file = tmp_path / "finetune.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    log = tmp_path / "stage.log"
-    command = [sys.executable, "-m", "pipelines.cli", "finetune", str(config_file), "--address", ray_cluster.address]
+    first, command, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address)
     sweep_dir = tmp_path / "runs" / "killed"
-    with open(log, "ab") as out:
-        first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for_the_second_trial(first, sweep_dir, log)
     finally:
@@ -258,12 +265,7 @@ def test_a_sweep_stopped_by_ctrl_c_ends_failed_says_so_in_one_line_and_registers
     config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="ctrl-c",
                           search_space={"lr": 0.02, "steps": {"grid": [4, 400]}}, scheduler="fifo",
                           max_concurrent_trials=1, registry_model="ctrl-c-digits", experiment="finetune-ctrl-c")
-    config_file = tmp_path / "finetune.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    log = tmp_path / "stage.log"
-    command = [sys.executable, "-m", "pipelines.cli", "finetune", str(config_file), "--address", ray_cluster.address]
-    with open(log, "ab") as out:
-        driver = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    driver, _, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address)
     try:
         _wait_for_the_second_trial(driver, tmp_path / "runs" / "ctrl-c", log)
         driver.send_signal(signal.SIGINT)
