@@ -30,6 +30,7 @@ from pipelines.spec import PipelineSpec, load_spec
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}
 
 
@@ -224,11 +225,8 @@ def test_the_link_printed_for_a_local_store_names_mlflow_ui_and_the_runs_table_p
 
 def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretraining(ray_cluster, corpus, tmp_path):
     spec_file = write_spec(tmp_path, corpus, only=("corpus", "pretrain"), steps=12, checkpoint_interval=4)
-    command = [sys.executable, "-m", "pipelines.cli", "run", str(spec_file), "--address", ray_cluster.address]
     log = tmp_path / "run.log"
-    repo = Path(__file__).resolve().parents[1]
-    with open(log, "ab") as out:
-        first = subprocess.Popen(command, cwd=repo, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    first, command = _start_vitpipe_run(spec_file, ray_cluster.address, log)
     try:
         deadline = time.monotonic() + 300
         # Recorded by Ray Train (in its snapshot), not merely being written.
@@ -240,7 +238,7 @@ def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretrai
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the runner and everything it started, mid-pretrain
         first.wait()
-    again = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     rows = {line.split()[0]: line.split() for line in again.stdout.splitlines()[1:3]}
     assert rows["corpus"][2] == "reused"
@@ -252,20 +250,17 @@ def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretrai
 
 def test_a_second_run_of_a_pipeline_that_is_still_running_is_refused_in_one_line(ray_cluster, corpus, tmp_path):
     spec_file = write_spec(tmp_path, corpus, only=("corpus", "pretrain"), steps=10_000)
-    command = [sys.executable, "-m", "pipelines.cli", "run", str(spec_file), "--address", ray_cluster.address]
-    repo = Path(__file__).resolve().parents[1]
     log = tmp_path / "first.log"
     client = MlflowClient(load_spec(spec_file).resolved_tracking_uri())
     client.search_experiments()  # the store's tables made here, not raced with the first run's
-    with open(log, "ab") as out:
-        first = subprocess.Popen(command, cwd=repo, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    first, command = _start_vitpipe_run(spec_file, ray_cluster.address, log)
     try:
         deadline = time.monotonic() + 120
         while not (runs := _pipeline_runs(client)):
             assert first.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the first run opened no pipeline run in time"
             time.sleep(0.5)
-        second = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert second.returncode != 0 and len(errors) == 1, second.stderr[-2000:]
         assert (f"pipeline run {runs[0].info.run_id} is being executed by another vitpipe (pid {first.pid} on "
@@ -275,6 +270,14 @@ def test_a_second_run_of_a_pipeline_that_is_still_running_is_refused_in_one_line
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+
+
+def _start_vitpipe_run(spec_file: Path, address: str, log: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`vitpipe run` of `spec_file` started in a session of its own, its output to `log`; returns it and its command."""
+    command = [sys.executable, "-m", "pipelines.cli", "run", str(spec_file), "--address", address]
+    with open(log, "ab") as out:
+        driver = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return driver, command
 
 
 def _pipeline_runs(client: MlflowClient) -> list:
