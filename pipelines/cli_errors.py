@@ -19,6 +19,7 @@ from typer.core import TyperGroup
 
 from pipelines.core.errors import VitpipeError
 from pipelines.core.logfile import ray_logs_dir, redact_argv, start_log_file
+from pipelines.core.stopping import handle_sigterm, stop_signal
 
 
 def one_line(err: BaseException) -> str:
@@ -32,15 +33,21 @@ def one_line(err: BaseException) -> str:
 
 
 class ErrorReportingGroup(TyperGroup):
-    """Turns user-facing errors of any subcommand into `error: <one line>` and exit status 1."""
+    """Turns user-facing errors of any subcommand into `error: <one line>` and exit status 1, and a stop
+    (SIGTERM, Ctrl-C) into `stopped by <signal>: ...` and exit status 128 + its number."""
 
     def invoke(self, ctx: click.Context) -> Any:
         global _log_file
         _log_file = start_log_file()
+        handle_sigterm()  # before Ray is joined too, so that a stop always ends as one
         try:
             return super().invoke(ctx)
         except _CLI_EXITS:
             raise
+        except (KeyboardInterrupt, SystemExit) as err:  # SIGTERM or Ctrl-C (pipelines.core.stopping)
+            if os.environ.get("VITPIPE_DEBUG"):
+                raise
+            stopped(err)
         except Exception as err:
             if os.environ.get("VITPIPE_DEBUG"):
                 raise
@@ -57,13 +64,29 @@ _log_file: Path | None = None  # this command's log (pipelines.core.logfile)
 
 def fail(message: str) -> None:
     """Print `error: <message>` and where the details are, and exit with status 1."""
+    typer.echo(f"error: {message}{_where()}", err=True)
+    raise typer.Exit(1)
+
+
+def stopped(err: BaseException) -> None:
+    """Print `stopped by <signal>:` and the runs the stop left KILLED, and exit with 128 + the signal's number."""
+    logging.getLogger("vitpipe").debug("vitpipe %s stopped", " ".join(redact_argv(sys.argv[1:])), exc_info=err)
+    sig = stop_signal(err)
+    runs = "; ".join(getattr(err, "__notes__", []))  # added by stage_run and the runner as the stop unwound them
+    what = f": {runs}; the same command resumes it" if runs else " before any run started"
+    # On a line of its own: a stop comes mid-output (a progress bar, the terminal's ^C).
+    typer.echo(f"\nstopped by {sig.name}{what}{_where()}", err=True)
+    raise typer.Exit(128 + sig)
+
+
+def _where() -> str:
+    """` (log: <this command's log>; Ray logs: <dir>)`, for the parts that exist."""
     where = [f"log: {_log_file}"] if _log_file else []
     ray_logs = ray_logs_dir()
     if ray_logs:
         where.append(f"Ray logs: {ray_logs}")
         logging.getLogger("vitpipe").debug("Ray logs: %s", ray_logs)
-    typer.echo(f"error: {message}" + (f" ({'; '.join(where)})" if where else ""), err=True)
-    raise typer.Exit(1)
+    return f" ({'; '.join(where)})" if where else ""
 
 
-__all__ = ["ErrorReportingGroup", "fail", "one_line"]
+__all__ = ["ErrorReportingGroup", "fail", "one_line", "stopped"]

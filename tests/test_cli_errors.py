@@ -1,7 +1,13 @@
-"""A failing command prints one line naming the cause and where its full log is, and exits 1."""
+"""A failing command prints one line naming the cause and where its full log is, and exits 1; a stopped one
+says so in one line and exits 128 + the signal's number."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipelines.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _log_file(output: str) -> Path:
@@ -84,3 +92,21 @@ def test_an_unwritable_log_directory_does_not_stop_the_command(tmp_path, monkeyp
 @pytest.mark.parametrize("args", [["--help"], ["runs", "--help"]])
 def test_help_exits_zero(args) -> None:
     assert CliRunner().invoke(app, args).exit_code == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_stopped_command_says_so_in_one_line_and_exits_128_plus_the_signal(tmp_path, signum) -> None:
+    out = tmp_path / "corpus"
+    command = [sys.executable, "-m", "pipelines.cli", "corpus", "synth", str(out), "--images", "200000"]
+    env = {**os.environ, "VITPIPE_LOG_DIR": str(tmp_path / "logs")}
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as cli:
+        deadline = time.monotonic() + 60
+        while not any(out.rglob("*.jpg")):  # inside the command, not still starting up
+            assert cli.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        cli.send_signal(signum)
+        _, stderr = cli.communicate(timeout=60)
+    assert cli.returncode == 128 + signum
+    assert "Traceback" not in stderr
+    [line] = [line for line in stderr.splitlines() if line.startswith("stopped")]  # beside Ray's start-up lines
+    assert line.startswith(f"stopped by {signum.name} before any run started (log: {tmp_path / 'logs'}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pipelines.core import stopping
+
 
 def connect(address: str | None = None, **local: Any) -> None:
     """Connect this process to Ray unless it already is: to `address`, else to `$RAY_ADDRESS`, else (Ray's own
@@ -17,3 +19,4 @@ def connect(address: str | None = None, **local: Any) -> None:
 
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS"), **local)
+        stopping.handle_sigterm()  # ray.init put Ray's `sys.exit(15)` in its place

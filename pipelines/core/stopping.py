@@ -1,0 +1,63 @@
+"""Stopping a vitpipe process: a SIGTERM or Ctrl-C ends its runs KILLED, resumable, and says so.
+
+A scheduler stops a driver with SIGTERM (`ray job stop`, a Kubernetes pod's
+deletion, a preempted node); a person with Ctrl-C. Either reaches vitpipe as an
+exception unwinding the stage:
+
+- SIGTERM raises `Stopped` in the main thread (vitpipe's handler; `ray.init`
+  installs Ray's `sys.exit(15)` over it, so `pipelines.core.cluster.connect`
+  installs it again). Inside `ray.get`, Ray turns it into a SystemExit(1), so
+  the handler also records the signal;
+- Ctrl-C raises KeyboardInterrupt, except during Ray Train's `fit`, whose own
+  handler aborts the training run and then calls `sys.exit(0)`.
+
+A run that such an exception leaves ends KILLED (`pipelines.core.stage_run`),
+and the same command resumes it. The CLI reports the stop in one line and exits
+with 128 + the signal's number, as a shell does for a process a signal ended.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class Stopped(SystemExit):
+    """The process was asked to stop by `signum`; its exit status is 128 + `signum`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal = signal.Signals(signum)
+
+
+_received: signal.Signals | None = None  # the stop signal this process got, if any
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    global _received
+    _received = signal.Signals(signum)
+    raise Stopped(signum)
+
+
+def handle_sigterm() -> None:
+    """Make SIGTERM raise `Stopped` in the main thread (a no-op elsewhere: only it may set handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_stopped)
+
+
+def is_stop(err: BaseException | None) -> bool:
+    """True when `err` is a request to stop the process rather than a failure of the work."""
+    return isinstance(err, (KeyboardInterrupt, SystemExit))
+
+
+def stop_signal(err: BaseException) -> signal.Signals:
+    """The signal behind a stop (`is_stop(err)`)."""
+    if isinstance(err, Stopped):
+        return err.signal
+    if _received is not None:  # `Stopped` raised inside `ray.get` comes out as Ray's own SystemExit(1)
+        return _received
+    return signal.SIGINT  # KeyboardInterrupt, or Ray Train's Ctrl-C handler (sys.exit(0) once it aborted the run)
+
+
+__all__ = ["Stopped", "handle_sigterm", "is_stop", "stop_signal"]
