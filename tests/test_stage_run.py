@@ -45,6 +45,25 @@ def test_a_failing_body_ends_the_run_failed_and_a_rerun_reopens_it(client: Mlflo
     assert client.get_run(failed.run_id).info.status == "FINISHED"
 
 
+def test_a_stopped_body_ends_the_run_killed_names_it_in_the_stop_and_a_rerun_reopens_it(client: MlflowClient) -> None:
+    with pytest.raises(KeyboardInterrupt) as stop, stage_run(client, "pretrain", _config(), {"lr": 0.1}) as stopped:
+        raise KeyboardInterrupt
+    assert client.get_run(stopped.run_id).info.status == "KILLED"
+    assert stop.value.__notes__ == [f"pretrain run {stopped.name} is KILLED"]  # for the CLI's one line
+    with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as rerun:
+        assert (rerun.run_id, rerun.resumed, rerun.previous) == (stopped.run_id, True, "KILLED")
+
+
+def test_a_run_that_does_not_finish_ends_its_nested_runs_still_running_the_same_way(client: MlflowClient) -> None:
+    with pytest.raises(SystemExit), stage_run(client, "finetune", _config(), {"lr": 0.1}) as sweep:
+        experiment = client.get_run(sweep.run_id).info.experiment_id
+        trials = [client.create_run(experiment, tags={"mlflow.parentRunId": sweep.run_id}).info.run_id
+                  for _ in range(2)]
+        client.set_terminated(trials[0], status="FINISHED")
+        raise SystemExit(143)
+    assert [client.get_run(t).info.status for t in trials] == ["FINISHED", "KILLED"]
+
+
 def test_another_identity_or_stage_is_another_run(client: MlflowClient) -> None:
     with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as a:
         pass

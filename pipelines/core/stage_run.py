@@ -3,8 +3,8 @@
 A stage execution is one MLflow run, found again by the stage name and the hash
 of the config's identity: a rerun of a finished identity returns that run
 untouched, an interrupted one is reopened and resumed, anything else is a new
-run. The run ends FINISHED when the stage's body returns and FAILED when it
-raises.
+run. The run ends FINISHED when the stage's body returns, FAILED when it
+raises, and KILLED when the process is stopped (`pipelines.core.stopping`).
 
 A run's name also names its checkpoints and Tune state in the storage. A
 named run (`run_name` set) whose identity changed would therefore restore the
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import run_owner, tracking
+from pipelines.core import run_owner, stopping, tracking
 
 logger = logging.getLogger(__name__)
 FINISHED = "FINISHED"
@@ -108,13 +108,17 @@ def stage_run(
         return
     if run.resumed:
         logger.info("%s: resuming run %s (was %s)", stage, run_id, previous)
-    ok = False
+    error: BaseException | None = None
     try:
         with run_owner.heartbeat(client, run_id):  # so that a second vitpipe sees this one is alive
             yield run
-        ok = True
+    except BaseException as err:
+        error = err
+        if stopping.is_stop(err):  # the CLI's one line names the runs a stop left
+            err.add_note(f"{stage} run {name} is KILLED")
+        raise
     finally:
-        tracking.end_run(client, run_id, ok)
+        tracking.end_run(client, run_id, error is None, stopped=stopping.is_stop(error))
 
 
 def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest: str,

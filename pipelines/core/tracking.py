@@ -302,10 +302,19 @@ class MetricBuffer:
             queue.shut_down_async_logging()
 
 
-def end_run(client: MlflowClient, run_id: str, ok: bool) -> None:
-    """Mark the stage run FINISHED or FAILED."""
-    status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+def end_run(client: MlflowClient, run_id: str, ok: bool, *, stopped: bool = False) -> None:
+    """Mark the stage run FINISHED or FAILED; KILLED when the process was `stopped` (SIGTERM, Ctrl-C).
+
+    A run that does not finish ends its nested runs still RUNNING (trials a stopped sweep left) the same way.
+    """
+    status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.KILLED if stopped else RunStatus.FAILED)
     with _no_link_printing(client.tracking_uri):
+        if not ok:
+            experiment_id = client.get_run(run_id).info.experiment_id
+            for child in client.search_runs(
+                [experiment_id], f"tags.`{TAG_PARENT}` = '{run_id}' and attributes.status = 'RUNNING'", max_results=1000
+            ):
+                client.set_terminated(child.info.run_id, status=status)
         client.set_terminated(run_id, status=status)
 
 
