@@ -42,6 +42,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.core import plan as ingest_plan, shards
+from pipelines.core.cluster import connect
 from pipelines.core.sources import Planner, object_plans, pattern_root
 from pipelines.core.fetch import reusable
 from pipelines.core.errors import (IngestError, StorageError, TransientStorageError, VitpipeError, error_class,
@@ -228,6 +229,7 @@ def _run_pipeline(
     """The shard summaries (sorted by shard key) and the input digest the planner computed."""
     import ray.data
 
+    connect()  # joined here, not by Ray's auto-init: see pipelines.core.cluster
     ctx = ray.data.DataContext.get_current()
     previous = ctx.target_max_block_size, ctx.op_resource_reservation_enabled
     # One shard plan per block, so each plan becomes its own task as soon as it is listed.

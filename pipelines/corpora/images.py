@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from pipelines.core.cluster import connect
 from pipelines.core.storage import S3Store, Store, open_store
 
 MIN_MAPS, MAX_MAPS = 2, 4
@@ -188,6 +189,7 @@ def synth_corpus(
     start = time.perf_counter()
     store = open_dest(dest, endpoint_url)
     names = fractal_class_names(classes)
+    connect()  # joined here, not by Ray's auto-init: see pipelines.core.cluster
     task = ray.remote(num_cpus=1)(_render_chunk)
     pending: list[ray.ObjectRef] = []
     done = 0

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pipelines.corpora.images import CorpusResult, assignments, open_dest
+from pipelines.core.cluster import connect
 from pipelines.core.storage import Store
 
 MAX_CLASSES = 15
@@ -218,6 +219,7 @@ def synth_video_corpus(
         raise ValueError(f"frames must be within 4..10000, got {frames}")
     start = time.perf_counter()
     store = open_dest(dest, endpoint_url)
+    connect()  # joined here, not by Ray's auto-init: see pipelines.core.cluster
     task = ray.remote(num_cpus=1)(_render_chunk)
     pending: list[ray.ObjectRef] = []
     done = 0
