@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import tempfile
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipelines.core import plots, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.registry import TAG_MODEL_URI, Score, log_vit_model, register_run_model
 from pipelines.core.shards import class_names, num_classes
+from pipelines.core.stopping import Stopped
 from pipelines.image.labeled_rows import iter_rows
 from pipelines.image.finetune_trial import latest_checkpoint
 
@@ -148,11 +150,12 @@ def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
 
 
 def check_sweep_ended(result_grid: Any, trials: int, filesystem: Any = None) -> None:
-    """Raise a one-line `VitpipeError` unless all `trials` of the sweep ended (finished, stopped or failed).
+    """Raise `Stopped` (`pipelines.core.stopping`) unless all `trials` of the sweep ended (finished, stopped or
+    failed).
 
     Tune returns from `fit` on Ctrl-C or SIGUSR1 too, its state saved to resume from, and the trials it
     returns then read TERMINATED; the saved state keeps the truth (trials unfinished, grid points never
-    started), so it is what is read here. Such a sweep must end the run FAILED (a rerun resumes it), never be
+    started), so it is what is read here. Such a sweep must end the run KILLED (a rerun resumes it), never be
     reported, registered and reused as if it were whole.
     """
     from ray.tune import ExperimentAnalysis
@@ -160,8 +163,10 @@ def check_sweep_ended(result_grid: Any, trials: int, filesystem: Any = None) -> 
     saved = ExperimentAnalysis(result_grid.experiment_path, storage_filesystem=filesystem).trials
     ended = [t for t in saved if t.status in ("TERMINATED", "ERROR")]
     if len(ended) < trials:
-        raise VitpipeError(f"finetune: the sweep was stopped before it ended ({len(ended)} of {trials} trials "
-                           "ended); run it again to resume it")
+        # Tune stops alike on SIGINT and SIGUSR1 and does not say which: reported as the Ctrl-C it mostly is.
+        stop = Stopped(signal.SIGINT)
+        stop.add_note(f"finetune: the sweep ended {len(ended)} of {trials} trials")
+        raise stop
 
 
 def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric: str, mode: str,
