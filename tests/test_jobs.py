@@ -256,6 +256,47 @@ def test_stop_stops_a_running_job(token_cluster, tmp_path):
     assert wait_for(token_cluster.address, job_id, token_cluster.env, ("STOPPED", "FAILED", "SUCCEEDED")) == "STOPPED"
 
 
+def test_a_stopped_pipeline_job_ends_its_runs_killed_and_its_log_says_so(token_cluster, ingest_spec, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    spec = yaml.safe_load(ingest_spec.read_text())
+    spec.update(name="job-stop", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage={"root": str(tmp_path / "work")})
+    spec["stages"]["pretrain"] = {  # long enough to be mid-training when the stop arrives
+        "kind": "pretrain", "inputs": ["corpus"], "model": "ViT-Ti/16", "steps": 100_000, "warmup_steps": 1,
+        "model_overrides": {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}, "num_workers": 1,
+        "batch_size_per_worker": 8, "log_interval": 1, "augment": False}
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+    submitted = vitpipe("submit", str(spec_file), "--address", token_cluster.address, "--no-wait", env=token_cluster.env)
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    job_id = submitted.stdout.strip()
+    client = MlflowClient(spec["tracking_uri"])
+    deadline = time.monotonic() + 240
+    while not _pretrain_steps(client):  # Ray Train is training, not starting up
+        assert vitpipe("status", job_id, "--address", token_cluster.address, env=token_cluster.env).stdout.strip() \
+            in ("PENDING", "RUNNING") and time.monotonic() < deadline
+        time.sleep(1)
+
+    stopped = vitpipe("stop", job_id, "--address", token_cluster.address, env=token_cluster.env)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "stopping"
+    assert wait_for(token_cluster.address, job_id, token_cluster.env, ("STOPPED", "FAILED", "SUCCEEDED")) == "STOPPED"
+    runs = {r.data.tags["vitpipe.stage"]: r for r in client.search_runs(
+        [client.get_experiment_by_name("vitpipe").experiment_id])}
+    assert {stage: run.info.status for stage, run in runs.items()} == {
+        "pipeline": "KILLED", "ingest": "FINISHED", "pretrain": "KILLED"}
+    logs = vitpipe("logs", job_id, "--address", token_cluster.address, env=token_cluster.env).stdout
+    [line] = [line for line in logs.splitlines() if line.startswith("stopped")]
+    assert line.startswith(f"stopped by SIGTERM: pretrain run {runs['pretrain'].info.run_name} is KILLED; pipeline run "
+                           f"{runs['pipeline'].info.run_id} is KILLED; the same command resumes it")
+
+
+def _pretrain_steps(client) -> int:
+    """The steps the job's pretrain run has logged so far (0 before the run exists)."""
+    experiment = client.get_experiment_by_name("vitpipe")
+    runs = client.search_runs([experiment.experiment_id], "tags.`vitpipe.stage` = 'pretrain'") if experiment else []
+    return len(client.get_metric_history(runs[0].info.run_id, "train_loss")) if runs else 0
+
+
 @pytest.mark.parametrize("token", ["wrong", None], ids=["wrong-token", "no-token"])
 def test_a_client_without_the_right_token_is_refused_in_one_line(token_cluster, ingest_spec, tmp_path, token):
     env = {k: v for k, v in token_cluster.env.items() if not k.startswith("RAY_AUTH_TOKEN")}
