@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.core import run_owner, stopping, tracking
+from pipelines.core import run_owner, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
@@ -108,9 +108,7 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
             for name in spec.order():
                 pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
     except BaseException as err:  # a stop, or the driver's own failure: the pipeline run must not stay RUNNING
-        if stopping.is_stop(err):
-            err.add_note(f"pipeline run {pipeline.run_id} is KILLED")
-        tracking.end_run(client, pipeline.run_id, False, stopped=stopping.is_stop(err))
+        tracking.end_unfinished_run(client, pipeline.run_id, err, f"pipeline run {pipeline.run_id}")
         raise
     summary = [vars(row) for row in pipeline.rows]
     tracking.log_dict_artifact(client, pipeline.run_id, {"stages": summary}, "summary.json")

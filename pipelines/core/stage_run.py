@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import run_owner, stopping, tracking
+from pipelines.core import run_owner, tracking
 
 logger = logging.getLogger(__name__)
 FINISHED = "FINISHED"
@@ -108,17 +108,13 @@ def stage_run(
         return
     if run.resumed:
         logger.info("%s: resuming run %s (was %s)", stage, run_id, previous)
-    error: BaseException | None = None
     try:
         with run_owner.heartbeat(client, run_id):  # so that a second vitpipe sees this one is alive
             yield run
     except BaseException as err:
-        error = err
-        if stopping.is_stop(err):  # the CLI's one line names the runs a stop left
-            err.add_note(f"{stage} run {name} is KILLED")
+        tracking.end_unfinished_run(client, run_id, err, f"{stage} run {name}")
         raise
-    finally:
-        tracking.end_run(client, run_id, error is None, stopped=stopping.is_stop(error))
+    tracking.end_run(client, run_id, True)
 
 
 def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest: str,

@@ -26,7 +26,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 from pydantic import SecretBytes, SecretStr
 
-from pipelines.core import run_owner
+from pipelines.core import run_owner, stopping
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -316,6 +316,15 @@ def end_run(client: MlflowClient, run_id: str, ok: bool, *, stopped: bool = Fals
             ):
                 client.set_terminated(child.info.run_id, status=status)
         client.set_terminated(run_id, status=status)
+
+
+def end_unfinished_run(client: MlflowClient, run_id: str, err: BaseException, label: str) -> None:
+    """End a run whose body raised `err`: KILLED when `err` is a stop (`pipelines.core.stopping`), which then
+    notes "`label` is KILLED" for the CLI's one line; FAILED otherwise."""
+    stopped = stopping.is_stop(err)
+    if stopped:
+        err.add_note(f"{label} is KILLED")
+    end_run(client, run_id, False, stopped=stopped)
 
 
 @contextmanager
