@@ -176,7 +176,11 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
     if experiment.lifecycle_stage != "active":
         raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or choose another name")
     if TAG_EXPERIMENT_KIND not in experiment.tags:
-        client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+        try:
+            client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+        except MlflowException:  # another process tagged it at the same moment (a SQL store then refuses ours)
+            if TAG_EXPERIMENT_KIND not in client.get_experiment(experiment.experiment_id).tags:
+                raise
     return experiment.experiment_id
 
 
