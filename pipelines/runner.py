@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.core import run_owner, tracking
+from pipelines.core import run_open, run_owner, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.cluster import connect
 from pipelines.core.uris import strip_userinfo
@@ -136,7 +136,7 @@ def _start_pipeline_run(client: Any, spec: PipelineSpec) -> str:
     resolved = {name: spec.resolved_config(name) for name in spec.order()}
     inputs = {name: [s.ref for s in spec.inputs_of(name)] for name in spec.order()}
     digest = tracking.config_hash({"name": spec.name, "stages": resolved, "inputs": inputs})
-    parent, previous = tracking.start_stage_run(
+    parent, previous = run_open.start_stage_run(
         client, spec.experiment, PIPELINE_STAGE, digest, run_name=spec.name, tags={TAG_PIPELINE: spec.name}
     )
     if previous != "FINISHED":
@@ -204,7 +204,7 @@ def _record_shards(context: _Context, kind: str, config: Any, result: Any, force
     identity = {"output": config.output, "content_hash": manifest.get("content_hash", "")}
     digest = tracking.config_hash({**identity, "forced": forced} if forced else identity)
     client = context.client
-    run_id, previous = tracking.start_stage_run(
+    run_id, previous = run_open.start_stage_run(
         client, context.spec.experiment, kind, digest, run_name=f"{kind}-{digest[:12]}",
         parent_run_id=context.pipeline.run_id,
         tags={"vitpipe.data_uri": strip_userinfo(config.output),

@@ -21,7 +21,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines.core import registry, tracking
+from pipelines.core import registry, run_open, tracking
 from pipelines.demo import demo_spec
 from pipelines.training.starting_weights import fetch_starting_weights
 
@@ -59,7 +59,7 @@ def _model() -> torch.nn.Module:
 
 
 def _new_run(client: MlflowClient) -> str:
-    run_id, _ = tracking.start_stage_run(client, f"no-pickle-{uuid.uuid4().hex[:8]}", "finetune", uuid.uuid4().hex)
+    run_id, _ = run_open.start_stage_run(client, f"no-pickle-{uuid.uuid4().hex[:8]}", "finetune", uuid.uuid4().hex)
     return run_id
 
 
@@ -246,7 +246,7 @@ def test_the_demo_keeps_mlflow_artifacts_under_its_work_folder(tmp_path, monkeyp
     spec = demo_spec(work)
     work.mkdir()
     client = MlflowClient(spec.resolved_tracking_uri())
-    run_id, _ = tracking.start_stage_run(client, spec.experiment, "finetune", "demo")
+    run_id, _ = run_open.start_stage_run(client, spec.experiment, "finetune", "demo")
     vit.save_checkpoint(_model(), work / "ckpt")
     tracking.log_checkpoint_dir(client, run_id, work / "ckpt", "checkpoints/best")
     tracking.log_dict_artifact(client, run_id, {"a": 1}, "best_config.json")

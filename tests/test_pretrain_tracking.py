@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import registry, tracking
+from pipelines.core import registry, run_open, tracking
 
 
 @pytest.fixture(scope="module")
@@ -57,37 +57,37 @@ def test_config_hash_ignores_key_order_and_sees_values():
 
 
 def test_unfinished_run_with_same_digest_is_reopened(client, exp):
-    first, status = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    first, status = run_open.start_stage_run(client, exp, "pretrain", "abc")
     assert status == ""
     client.set_terminated(first, status="KILLED")
-    again, status = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    again, status = run_open.start_stage_run(client, exp, "pretrain", "abc")
     assert (again, status) == (first, "KILLED")
     assert client.get_run(first).info.status == "RUNNING"
 
 
 def test_different_digest_or_stage_starts_a_new_run(client, exp):
-    first, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
-    other_digest, _ = tracking.start_stage_run(client, exp, "pretrain", "xyz")
-    other_stage, _ = tracking.start_stage_run(client, exp, "finetune", "abc")
+    first, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
+    other_digest, _ = run_open.start_stage_run(client, exp, "pretrain", "xyz")
+    other_stage, _ = run_open.start_stage_run(client, exp, "finetune", "abc")
     assert len({first, other_digest, other_stage}) == 3
 
 
 def test_finished_run_is_reported_and_left_finished(client, exp):
-    first, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    first, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     tracking.end_run(client, first, ok=True)
-    again, status = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    again, status = run_open.start_stage_run(client, exp, "pretrain", "abc")
     assert (again, status) == (first, "FINISHED")
     assert client.get_run(first).info.status == "FINISHED"
 
 
 def test_stage_run_becomes_child_of_parent_run(client, exp):
-    parent, _ = tracking.start_stage_run(client, exp, "pipeline", "p")
-    child, _ = tracking.start_stage_run(client, exp, "pretrain", "c", parent_run_id=parent)
+    parent, _ = run_open.start_stage_run(client, exp, "pipeline", "p")
+    child, _ = run_open.start_stage_run(client, exp, "pretrain", "c", parent_run_id=parent)
     assert client.get_run(child).data.tags[tracking.TAG_PARENT] == parent
 
 
 def test_params_are_flattened_without_credentials_and_relogging_is_accepted(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     config = {"lr": 0.001, "model_overrides": {"depth": 2}, "betas": [0.9, 0.999], "secret_key": "S"}
     tracking.log_params(client, run_id, config)
     tracking.log_params(client, run_id, config)  # a resumed execution logs the same config again
@@ -96,7 +96,7 @@ def test_params_are_flattened_without_credentials_and_relogging_is_accepted(clie
 
 
 def test_a_param_logged_again_with_another_value_keeps_the_first_and_tags_the_latest(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     tracking.log_params(client, run_id, {"lr": 0.001, "max_failures": 2})
     tracking.log_params(client, run_id, {"lr": 0.001, "max_failures": 5})  # resumed with another retry count
     run = client.get_run(run_id)
@@ -106,7 +106,7 @@ def test_a_param_logged_again_with_another_value_keeps_the_first_and_tags_the_la
 
 
 def test_metric_buffer_sends_nothing_until_flushed_then_everything(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     buffer = tracking.MetricBuffer(client, run_id)
     for step in range(1, 6):
         buffer.add({"train_loss": 1.0 / step, "lr": 0.1}, step)
@@ -118,7 +118,7 @@ def test_metric_buffer_sends_nothing_until_flushed_then_everything(client, exp):
 
 
 def test_learning_curve_png_is_logged_from_metric_history(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     buffer = tracking.MetricBuffer(client, run_id)
     for step in range(1, 11):
         buffer.add({"train_loss": 2.0 / step}, step)
@@ -133,13 +133,13 @@ def test_learning_curve_png_is_logged_from_metric_history(client, exp):
 
 
 def test_learning_curve_is_skipped_when_nothing_was_logged(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     assert not tracking.log_learning_curve(client, run_id)
     assert client.list_artifacts(run_id) == []
 
 
 def test_config_artifact_has_no_credentials(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     tracking.log_dict_artifact(client, run_id, {"lr": 0.1, "aws_secret_access_key": "S"}, "config.yaml")
     text = open(client.download_artifacts(run_id, "config.yaml")).read()
     assert "lr: 0.1" in text and "aws_secret" not in text
@@ -160,7 +160,7 @@ def test_logged_checkpoint_dir_loads_back_by_run_uri(client, exp, tmp_path):
 
     import vit
 
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     model = vit.create_model("ViT-Ti/16", image_size=16, patch_size=4, num_classes=3, depth=1, embed_dim=16, num_heads=2, mlp_dim=32)
     vit.save_checkpoint(model, tmp_path / "ckpt")
     (tmp_path / "ckpt" / "train_state.pt").write_bytes(b"optimizer state stays in training storage")
@@ -173,7 +173,7 @@ def test_logged_checkpoint_dir_loads_back_by_run_uri(client, exp, tmp_path):
 
 
 def test_loading_a_run_path_that_is_no_checkpoint_is_a_value_error(client, exp):
-    run_id, _ = tracking.start_stage_run(client, exp, "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, exp, "pretrain", "abc")
     tracking.log_dict_artifact(client, run_id, {"a": 1}, "notes/a.json")
     with pytest.raises(ValueError, match="is not a vit checkpoint directory"):
         registry.load_model_from_run(f"runs:/{run_id}/notes", tracking_uri=client.tracking_uri)

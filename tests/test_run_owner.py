@@ -1,7 +1,7 @@
 """A RUNNING run is executed by one process: a live owner is refused, a dead one taken over.
 
 The owners here are real processes: a Python process that opens the run through
-`tracking.start_stage_run` and then waits, SIGKILLed where the test needs a dead one.
+`run_open.start_stage_run` and then waits, SIGKILLed where the test needs a dead one.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import run_owner, tracking
+from pipelines.core import run_open, run_owner
 from pipelines.core.errors import RunInUse
 from pipelines.core.run_owner import Owner
 
 OPEN_AND_WAIT = textwrap.dedent("""
     import sys, time
     from mlflow.tracking import MlflowClient
-    from pipelines.core import tracking
-    run_id, _ = tracking.start_stage_run(MlflowClient(sys.argv[1]), "owners", sys.argv[2], "abc",
+    from pipelines.core import run_open
+    run_id, _ = run_open.start_stage_run(MlflowClient(sys.argv[1]), "owners", sys.argv[2], "abc",
                                          tags={"vitpipe.pipeline": "nightly"})
     print(run_id, flush=True)
     time.sleep(600)
@@ -74,7 +74,7 @@ def vitpipe_runs(uri: str) -> dict[str, list[str]]:
 def test_a_running_run_whose_owner_is_alive_is_refused_in_one_line_naming_run_and_process(uri, owner):
     process, run_id = owner
     with pytest.raises(RunInUse) as refused:
-        tracking.start_stage_run(MlflowClient(uri), "owners", "pretrain", "abc")
+        run_open.start_stage_run(MlflowClient(uri), "owners", "pretrain", "abc")
     message = str(refused.value)
     assert f"pretrain run {run_id} is being executed by another vitpipe (pid {process.pid} on " in message
     assert "\n" not in message
@@ -85,7 +85,7 @@ def test_a_running_run_whose_owner_was_sigkilled_is_taken_over_at_once(uri, owne
     process, run_id = owner
     process.send_signal(signal.SIGKILL)
     process.wait()
-    again, previous = tracking.start_stage_run(MlflowClient(uri), "owners", "pretrain", "abc")
+    again, previous = run_open.start_stage_run(MlflowClient(uri), "owners", "pretrain", "abc")
     assert (again, previous) == (run_id, "RUNNING")
     recorded = Owner.from_tags(MlflowClient(uri).get_run(run_id).data.tags)
     assert (recorded.host, recorded.pid) == (socket.gethostname(), os.getpid())
@@ -112,15 +112,15 @@ def test_a_refusal_for_an_owner_on_another_host_says_when_the_run_can_be_taken_o
 
 def test_a_run_with_an_unreadable_owner_tag_is_taken_over(uri):
     client = MlflowClient(uri)
-    run_id, _ = tracking.start_stage_run(client, "owners", "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, "owners", "pretrain", "abc")
     client.set_tag(run_id, run_owner.TAG_OWNER, "not json")
-    assert tracking.start_stage_run(client, "owners", "pretrain", "abc") == (run_id, "RUNNING")
+    assert run_open.start_stage_run(client, "owners", "pretrain", "abc") == (run_id, "RUNNING")
 
 
 def test_the_owners_heartbeat_advances_while_its_block_runs(uri, monkeypatch):
     monkeypatch.setattr(run_owner, "HEARTBEAT_S", 0.05)
     client = MlflowClient(uri)
-    run_id, _ = tracking.start_stage_run(client, "owners", "pretrain", "abc")
+    run_id, _ = run_open.start_stage_run(client, "owners", "pretrain", "abc")
 
     def beat() -> float:
         return json.loads(client.get_run(run_id).data.tags[run_owner.TAG_OWNER])["heartbeat"]

@@ -11,12 +11,14 @@ runs. A process that finds the run RUNNING judges that owner:
 - on another host, alive while its heartbeat is younger than `STALE_AFTER_S`.
 
 A live owner is refused in one line; a dead one, or a run without the tag, is taken
-over. Two processes that open the same run at the very same moment (a new run, or a
-dead owner's) can both execute it: MLflow has no compare-and-set.
+over. A process about to take a run over first claims it (a tag `vitpipe.claim.<key>` of
+its own, so that claims never overwrite each other): `pipelines.core.run_open` uses the
+claims to keep two processes that open one run at the same moment from both executing it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +36,7 @@ from pipelines.core.errors import RunInUse
 
 logger = logging.getLogger(__name__)
 TAG_OWNER = "vitpipe.owner"
+TAG_CLAIM = "vitpipe.claim."  # + a claimant's key; its value is the claimant, as in `vitpipe.owner`
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0  # four heartbeats missed: the owner on another host is gone
 
@@ -55,14 +58,31 @@ class Owner:
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> Owner | None:
         """The owner recorded in a run's tags; None when there is none (or it cannot be read)."""
+        return cls.parse(tags.get(TAG_OWNER))
+
+    @classmethod
+    def parse(cls, value: str | None) -> Owner | None:
+        """The owner a tag's value records; None when it cannot be read."""
         try:
-            return cls(**json.loads(tags[TAG_OWNER]))
-        except (KeyError, TypeError, ValueError):
+            return cls(**json.loads(value))
+        except (TypeError, ValueError):
             return None
 
     def tag(self) -> dict[str, str]:
         """The tag that records this owner."""
-        return {TAG_OWNER: json.dumps(asdict(self), sort_keys=True)}
+        return {TAG_OWNER: self.value()}
+
+    def value(self) -> str:
+        """This owner as a tag's value."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def claim_key(self) -> str:
+        """The key of this process's claim tag: one per process, so that claims never overwrite each other."""
+        return TAG_CLAIM + hashlib.sha256(f"{self.host}\0{self.pid}\0{self.started}".encode()).hexdigest()[:16]
+
+    def is_me(self) -> bool:
+        """Whether this owner is the calling process."""
+        return (self.host, self.pid) == (socket.gethostname(), os.getpid())
 
     def alive(self) -> bool:
         """Whether this owner still runs, judged as the module docstring says."""
@@ -80,13 +100,25 @@ class Owner:
 def refuse_if_in_use(kind: str, run_id: str, tags: Mapping[str, str]) -> None:
     """Raise `RunInUse` (one line) when the RUNNING run `run_id` of `kind` has a live owner other than us."""
     owner = Owner.from_tags(tags)
-    if owner is None or (owner.host, owner.pid) == (socket.gethostname(), os.getpid()) or not owner.alive():
+    if owner is None or owner.is_me() or not owner.alive():
         return
     age = time.time() - owner.heartbeat
     then = ("or stop it and run again to resume" if owner.host == socket.gethostname() else
             f"or, if it is gone, run again in {STALE_AFTER_S - age:.0f} s to resume")
     raise RunInUse(f"{kind} run {run_id} is being executed by another vitpipe (pid {owner.pid} on {owner.host}, "
                    f"heartbeat {age:.0f} s ago); wait for it to end, {then}")
+
+
+def rival(tags: Mapping[str, str], found: Mapping[str, str], mine: str) -> Owner | None:
+    """A live process other than this one that claimed the run (a claim tag other than `mine`), or that became
+    its owner since its tags read `found`; None when there is none."""
+    for key, value in tags.items():
+        claimant = Owner.parse(value) if key.startswith(TAG_CLAIM) and key != mine else None
+        if claimant is not None and not claimant.is_me() and claimant.alive():
+            return claimant
+    owner = Owner.from_tags(tags)
+    changed = tags.get(TAG_OWNER) != found.get(TAG_OWNER)
+    return owner if changed and owner is not None and not owner.is_me() and owner.alive() else None
 
 
 def shown_status(status: str, tags: Mapping[str, str]) -> str:
@@ -106,7 +138,7 @@ def heartbeat(client: MlflowClient, run_id: str) -> Iterator[None]:
     def beat() -> None:
         while not stop.wait(HEARTBEAT_S):
             try:
-                client.set_tag(run_id, TAG_OWNER, Owner.me().tag()[TAG_OWNER])
+                client.set_tag(run_id, TAG_OWNER, Owner.me().value())
             except Exception as err:  # noqa: BLE001  (a missed heartbeat must not end the run)
                 logger.warning("run %s: heartbeat not recorded (%s)", run_id, err)
 

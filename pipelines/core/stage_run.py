@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import run_owner, tracking
+from pipelines.core import run_open, run_owner, tracking
 
 logger = logging.getLogger(__name__)
 FINISHED = "FINISHED"
@@ -98,7 +98,7 @@ def stage_run(
         refuse_changed_named_run(client, stage, name, digest, identity)
     recorded = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     all_tags = {**(tags or {}), **({TAG_IDENTITY: recorded} if len(recorded) <= _MAX_TAG else {})}
-    run_id, previous = tracking.start_stage_run(
+    run_id, previous = run_open.start_stage_run(
         client, config.experiment, stage, digest, run_name=name, parent_run_id=config.parent_run_id, tags=all_tags
     )
     run = StageRun(client, stage, run_id, name, digest, previous)
@@ -145,7 +145,7 @@ def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest
 def _has_run(client: MlflowClient, experiment: str, stage: str, digest: str) -> bool:
     """True when the experiment holds a run of `stage` with this identity."""
     experiment_id = tracking.get_or_create_experiment(client, experiment)
-    return tracking.find_stage_run(client, experiment_id, stage, digest) is not None
+    return run_open.find_stage_run(client, experiment_id, stage, digest) is not None
 
 
 def _all_experiments(client: MlflowClient) -> list[Any]:

@@ -26,7 +26,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 from pydantic import SecretBytes, SecretStr
 
-from pipelines.core import run_owner, stopping
+from pipelines.core import stopping
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -182,52 +182,6 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
             if TAG_EXPERIMENT_KIND not in client.get_experiment(experiment.experiment_id).tags:
                 raise
     return experiment.experiment_id
-
-
-def find_stage_run(client: MlflowClient, experiment_id: str, stage: str, digest: str) -> Any | None:
-    """The newest run of `stage` tagged with `digest`, or None."""
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CONFIG_HASH}` = '{digest}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    return runs[0] if runs else None
-
-
-def start_stage_run(
-    client: MlflowClient,
-    experiment: str,
-    stage: str,
-    digest: str,
-    *,
-    run_name: str | None = None,
-    parent_run_id: str | None = None,
-    tags: Mapping[str, str] | None = None,
-) -> tuple[str, str]:
-    """Open the run of one stage execution; returns `(run_id, previous_status)`.
-
-    A run tagged with the same stage and config digest that did not finish is
-    reopened (a resumed execution stays one run); `previous_status` is then its
-    old status ("RUNNING", "FAILED", "KILLED"), "FINISHED" for a finished run that
-    is returned untouched, or "" for a new run. A RUNNING run whose owner still runs is refused
-    (`run_owner.RunInUse`); the run opened records this process as its owner.
-    """
-    experiment_id = get_or_create_experiment(client, experiment)
-    previous = find_stage_run(client, experiment_id, stage, digest)
-    if previous is not None:
-        status, run_id = previous.info.status, previous.info.run_id
-        if status == "RUNNING":
-            run_owner.refuse_if_in_use(stage, run_id, previous.data.tags)
-        if status != "FINISHED":
-            set_tags(client, run_id, run_owner.Owner.me().tag())
-            client.update_run(run_id, status="RUNNING")
-        return run_id, status
-    all_tags = {TAG_STAGE: stage, TAG_CONFIG_HASH: digest, **(tags or {}), **run_owner.Owner.me().tag()}
-    if parent_run_id:
-        all_tags[TAG_PARENT] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
-    return run.info.run_id, ""
 
 
 def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> None:
