@@ -114,7 +114,9 @@ def test_a_twin_that_takes_over_a_dead_owners_run_at_the_same_moment_executes_it
     assert Owner.from_tags(MlflowClient(uri).get_run(run_id).data.tags).pid == twin["process"].pid
 
 
-def test_a_live_claim_of_another_process_makes_the_opener_back_off_and_say_so_in_one_line(uri, processes):
+def test_a_live_claim_of_another_process_makes_the_opener_back_off_and_say_so_in_one_line(uri, processes,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(run_open, "OPEN_TRIES", 2)  # each try backs off a random pause more
     dead, run_id = open_in_a_process(uri, processes)
     dead.send_signal(signal.SIGKILL)
     dead.wait()
