@@ -114,7 +114,7 @@ def rival(tags: Mapping[str, str], found: Mapping[str, str], mine: str) -> Owner
     its owner since its tags read `found`; None when there is none."""
     for key, value in tags.items():
         claimant = Owner.parse(value) if key.startswith(TAG_CLAIM) and key != mine else None
-        if claimant is not None and not claimant.is_me() and claimant.alive():
+        if claimant is not None and claimant.alive():
             return claimant
     owner = Owner.from_tags(tags)
     changed = tags.get(TAG_OWNER) != found.get(TAG_OWNER)
