@@ -34,7 +34,6 @@ from pipelines.core.run_owner import Owner
 
 logger = logging.getLogger(__name__)
 OPEN_TRIES = 5
-_IDENTITY_RUNS = 10  # a twin is any run of the identity besides ours; a few suffice to see one
 
 
 class _Twin(Exception):
@@ -104,8 +103,8 @@ def _create(client: MlflowClient, experiment_id: str, stage: str, digest: str, r
             new_tags: Mapping[str, str]) -> str:
     """A new run owned by this process; `_Twin` (the new run deleted) when another run of the identity appeared."""
     run_id = client.create_run(experiment_id, run_name=run_name, tags={**new_tags, **Owner.me().tag()}).info.run_id
-    twins = [run for run in _identity_runs(client, experiment_id, stage, digest, _IDENTITY_RUNS)
-             if run.info.run_id != run_id]
+    # Any run of the identity besides ours is a twin's; of any two runs listed, one is not ours.
+    twins = [run for run in _identity_runs(client, experiment_id, stage, digest, 2) if run.info.run_id != run_id]
     if twins:
         client.delete_run(run_id)
         raise _Twin(Owner.from_tags(twins[0].data.tags))
