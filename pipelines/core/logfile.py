@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -83,10 +84,9 @@ def start_log_file() -> Path | None:
 
 def ray_logs_dir() -> str | None:
     """This process's Ray session log directory, when Ray is initialised here."""
+    ray = sys.modules.get("ray")  # not imported means not initialised: importing it here costs a second
     try:
-        import ray
-
-        if not ray.is_initialized():
+        if ray is None or not ray.is_initialized():
             return None
         # No public API names the directory; the node object has known it since Ray 1.x.
         return str(ray._private.worker._global_node.get_logs_dir_path())  # noqa: SLF001
