@@ -286,11 +286,13 @@ def run(
     force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
-    from pipelines.core.tracking import browse_hint  # deferred: tracking imports MLflow
-    from pipelines.runner import run_pipeline  # deferred: the runner imports MLflow
-    from pipelines.spec import load_spec  # deferred: the spec imports MLflow (core.tracking)
+    from pipelines.spec import check_forced, load_spec  # deferred: pydantic models, not needed by the other commands
 
-    pipeline_spec = load_spec(spec, sets)
+    pipeline_spec = load_spec(spec, sets)  # before MLflow and Ray are imported: a bad spec is answered at once
+    check_forced(pipeline_spec, force)
+    from pipelines.core.tracking import browse_hint  # deferred: tracking imports MLflow
+    from pipelines.runner import run_pipeline  # deferred: the runner imports MLflow and Ray
+
     _log_progress()
     result = run_pipeline(pipeline_spec, ray_address=address, force=force)
     typer.echo(result.table())

@@ -40,8 +40,7 @@ def submit(
     env: list[str] = _ENV,
 ) -> None:
     """Run a pipeline spec as a Ray job on a cluster, following its logs until it ends (as `ray job submit`)."""
-    from pipelines.runner import check_forced  # deferred: the runner imports MLflow
-    from pipelines.spec import load_spec  # deferred: the spec imports MLflow (core.tracking)
+    from pipelines.spec import check_forced, load_spec  # deferred: pydantic models, not needed by the other commands
 
     pipeline_spec = load_spec(spec, sets)
     check_forced(pipeline_spec, force)  # a bad spec fails here, not minutes later on the cluster

@@ -21,8 +21,8 @@ from typing import Any
 from pipelines.core import run_open, run_owner, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.cluster import connect
-from pipelines.core.uris import strip_userinfo
-from pipelines.spec import PipelineSpec
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
+from pipelines.spec import PipelineSpec, check_forced
 from pipelines.stages import STAGES
 
 logger = logging.getLogger("vitpipe.runner")
@@ -73,16 +73,6 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = [tuple(header), *(tuple(r) for r in rows)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
-    """The stage names given to `--force`, each checked to be a stage of `spec`."""
-    names = set(force)
-    unknown = sorted(names - set(spec.stages))
-    if unknown:
-        raise VitpipeError(f"--force {unknown[0]}: pipeline {spec.name!r} has no such stage; "
-                           f"its stages are {', '.join(spec.stages)}")
-    return names
 
 
 def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: Iterable[str] = ()) -> PipelineResult:
@@ -225,7 +215,7 @@ def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking.resolve_tracking_uri(tracking_uri))
+    client = MlflowClient(resolve_tracking_uri(tracking_uri))
     experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     if not experiments:
         return []

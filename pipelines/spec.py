@@ -40,7 +40,7 @@ from pydantic import (
 from pipelines.core.errors import VitpipeError
 from pipelines.core.stage_config import parse_overrides, yaml_syntax_error
 from pipelines.core.storage import parse_uri
-from pipelines.core.tracking import resolve_tracking_uri
+from pipelines.core.uris import resolve_tracking_uri
 from pipelines.stages import KINDS, RUN, STAGES, Fill
 
 Kind = Literal[KINDS]  # type: ignore[valid-type]  # the registry's kinds
@@ -357,3 +357,13 @@ __all__ = [
     "PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec", "is_run_ref",
     "load_spec", "parse_spec",
 ]
+
+
+def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
+    """The stage names given to `--force`, each checked to be a stage of `spec`."""
+    names = set(force)
+    unknown = sorted(names - set(spec.stages))
+    if unknown:
+        raise VitpipeError(f"--force {unknown[0]}: pipeline {spec.name!r} has no such stage; "
+                           f"its stages are {', '.join(spec.stages)}")
+    return names

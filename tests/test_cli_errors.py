@@ -94,6 +94,27 @@ def test_help_exits_zero(args) -> None:
     assert CliRunner().invoke(app, args).exit_code == 0
 
 
+# In a fresh interpreter: which of the heavy frameworks the command imported before it answered.
+_IMPORTED_BY = """
+import sys
+from typer.testing import CliRunner
+from pipelines.cli import app
+result = CliRunner().invoke(app, sys.argv[1:])
+print(result.exit_code, [name for name in ("mlflow", "ray", "torch") if name in sys.modules])
+print(result.output.strip())
+"""
+
+
+@pytest.mark.parametrize("command", [["run"], ["submit", "--address", "http://127.0.0.1:9"]], ids=["run", "submit"])
+def test_a_bad_spec_is_refused_before_mlflow_ray_or_torch_is_imported(tmp_path, command) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: p\nstorage: {root: out}\nstages:\n  a: {kind: pretrian}\n")
+    child = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *command, str(spec)], capture_output=True,
+                           text=True, check=True, env={**os.environ, "VITPIPE_LOG_DIR": str(tmp_path)})
+    status, line = child.stdout.splitlines()
+    assert status == "1 []"
+    assert line.startswith(f"error: spec {spec}: stage 'a' field 'kind': Input should be 'ingest', 'pretrain'")
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_stopped_command_says_so_in_one_line_and_exits_128_plus_the_signal(tmp_path, signum) -> None:
     out = tmp_path / "corpus"

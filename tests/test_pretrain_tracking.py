@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.core import registry, run_open, tracking
+from pipelines.core import registry, run_open, tracking, uris
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +23,15 @@ def exp(request) -> str:
 def test_tracking_uri_prefers_config_then_environment_then_local_sqlite(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
-    assert tracking.resolve_tracking_uri("sqlite:////data/x.db") == "sqlite:////data/x.db"
-    assert tracking.resolve_tracking_uri(None) == "http://127.0.0.1:5999"
+    assert uris.resolve_tracking_uri("sqlite:////data/x.db") == "sqlite:////data/x.db"
+    assert uris.resolve_tracking_uri(None) == "http://127.0.0.1:5999"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    assert tracking.resolve_tracking_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert uris.resolve_tracking_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
 
 
 def test_relative_sqlite_paths_are_made_absolute_for_workers_in_other_directories(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    assert tracking.resolve_tracking_uri("sqlite:///runs/x.db") == f"sqlite:///{tmp_path}/runs/x.db"
+    assert uris.resolve_tracking_uri("sqlite:///runs/x.db") == f"sqlite:///{tmp_path}/runs/x.db"
 
 
 def test_redact_drops_credential_keys_and_uri_passwords():

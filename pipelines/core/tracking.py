@@ -27,9 +27,8 @@ from mlflow.tracking import MlflowClient
 from pydantic import SecretBytes, SecretStr
 
 from pipelines.core import stopping
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # Where a `sqlite:///` store's experiments keep their artifacts: this folder beside the database file.
 SQLITE_ARTIFACTS = "mlartifacts"
 
@@ -58,18 +57,6 @@ _MAX_PARAM_LEN = 6000
 # log_batch accepts at most 1000 metrics / 100 params per call.
 _METRIC_BATCH = 1000
 _PARAM_BATCH = 100
-
-
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """The tracking URI a stage uses: the config's, else `MLFLOW_TRACKING_URI`, else a local SQLite store.
-
-    A relative SQLite path is made absolute: Ray workers run in other directories.
-    """
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        return prefix + os.path.abspath(uri[len(prefix):])
-    return uri
 
 
 def local_artifact_root(tracking_uri: str) -> str | None:

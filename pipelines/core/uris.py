@@ -1,9 +1,15 @@
-"""URIs that are safe to show: the one place where credentials are scrubbed from a URI."""
+"""URIs: the one place where credentials are scrubbed from a URI, and where a tracking URI is resolved.
+
+No MLflow here: `vitpipe run` validates a spec, tracking URI included, before it imports MLflow.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 from urllib.parse import urlsplit
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 # `scheme://` (or a bare `//`), then an authority whose userinfo ends at its last `@`; an authority
 # ends at the first `/`, `?` or `#`, as `urllib.parse.urlsplit` cuts it.
@@ -38,3 +44,15 @@ class Unprinted:
         return "***"
 
     __str__ = __repr__
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The tracking URI a stage uses: the config's, else `MLFLOW_TRACKING_URI`, else a local SQLite store.
+
+    A relative SQLite path is made absolute: Ray workers run in other directories.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        return prefix + os.path.abspath(uri[len(prefix):])
+    return uri

@@ -45,7 +45,7 @@ from pipelines.core.datasets import read_each_shard
 from pipelines.core.stage_config import DataToOutput, load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.image.data import normalize, patches_array
 from pipelines.image.embeddings import FORMAT, rows_hash, schema
 from pipelines.image.frozen_model import load_frozen_model
@@ -198,7 +198,7 @@ def run_embed(config: EmbedConfig, *, force: bool = False, ray_address: str | No
     from mlflow.tracking import MlflowClient
 
     manifest = shards.read_manifest(config.data, endpoint_url=config.endpoint_url)
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    tracking_uri = resolve_tracking_uri(config.tracking_uri)
     start, size = load_frozen_model(config, manifest, tracking_uri)
     model = vit.at_resolution(start.model, size, 0)
     connect(ray_address)

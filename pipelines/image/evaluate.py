@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 import vit
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
-from pipelines.core.uris import is_s3_uri, strip_userinfo
+from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
@@ -263,7 +263,7 @@ def run_identity(config: EvaluateConfig, manifest: dict[str, Any], init_source_r
 def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     start, size = load_frozen_model(config, manifest, tracking_uri)
     identity = run_identity(config, manifest, start.source_run_id, size)

@@ -32,7 +32,7 @@ from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_MODEL, TAG_REGISTERED_VERSION, RegistryName
 from pipelines.core.shards import num_classes, read_manifest
-from pipelines.core.uris import is_s3_uri, strip_userinfo
+from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, stage_run
 from pipelines.core.storage import S3Settings
@@ -263,7 +263,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     `VitpipeError` when every trial failed.
     """
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     start = starting_weights(config, manifest, tracking_uri)
     resolutions = check_resolutions(config, start.model, manifest)

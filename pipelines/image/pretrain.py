@@ -30,7 +30,7 @@ from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
 from pipelines.core.registry import TAG_MODEL_URI
 from pipelines.core.shards import num_classes, read_manifest
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.image.attention_map import log_attention_picture
@@ -277,7 +277,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     overrides = model_overrides(config, manifest)
     # An MAE run validates nothing while it trains (validation top-1 needs labels and a head).
     has_val = config.objective == "supervised" and int(manifest.get("counts", {}).get("val", 0)) > 0
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
 
     connect(ray_address)

@@ -42,10 +42,10 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import vit
-from pipelines.core import shards, tracking
+from pipelines.core import shards
 from pipelines.core.errors import VitpipeError
 from pipelines.core.datasets import read_each_shard
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import DataToOutput, load_stage_config
 from pipelines.core.storage import S3Settings, open_store
@@ -231,7 +231,7 @@ def run_identity(config: VideoFeaturesConfig, source_manifest: dict[str, Any], b
 def load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[InitialModel, dict[str, Any]]:
     """The frozen VTN whose backbone computes the features (built as video_train builds its model),
     and the backbone as the manifest records it."""
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    tracking_uri = resolve_tracking_uri(config.tracking_uri)
     initial = build_initial_model(config.model_spec(), num_classes(source_manifest), tracking_uri)
     return initial, {
         "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,

@@ -43,7 +43,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 import vit
 from pipelines.core import tracking
 from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_VERSION, RegistryName, Score, register_run_model
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
@@ -264,7 +264,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     """Run (or resume) the stage: build, train, evaluate in both modes, log; returns the run and model URIs."""
     config, manifest, features = _training_data(config)
     classes = class_names(manifest)
-    tracking_uri = tracking.resolve_tracking_uri(config.tracking_uri)
+    tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     initial = build_initial_model(config, len(classes), tracking_uri)
     if features:
