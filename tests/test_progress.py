@@ -64,6 +64,13 @@ def test_pretraining_prints_step_loss_images_per_second_and_eta_to_the_console(p
     assert not PROGRESS.search(done.stdout)  # stdout keeps only the result table
 
 
+def test_training_reads_draw_no_ray_data_progress_bars_over_the_step_lines(pretrain_run):
+    done, _ = pretrain_run
+    console = done.stdout + done.stderr
+    assert "Starting execution of Dataset train_" in console  # the training read did run through Ray Data
+    assert "Running Dataset: train_" not in console and "split(1, equal=True):" not in console
+
+
 def test_pretraining_logs_system_metrics_into_its_run(pretrain_run, mlflow_server):
     metrics = MlflowClient(mlflow_server).get_run(pretrain_run[1]).data.metrics
     assert "system/cpu_utilization_percentage" in metrics
