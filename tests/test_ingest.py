@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +158,15 @@ def test_rerun_with_the_same_config_does_nothing(ray_cluster, corpus, ingested):
     assert again.skipped and again.shards_written == 0
     assert mtimes(ingested.output) == before
     assert again.manifest["content_hash"] == ingested.manifest["content_hash"]
+
+
+def test_an_ingest_shows_no_deprecation_warning_raised_at_vitpipes_own_calls(ray_cluster, corpus, tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_ingest(config(corpus[0], tmp_path / "out"))
+    ours = [f"{w.filename}: {w.message}" for w in caught
+            if issubclass(w.category, DeprecationWarning) and f"{os.sep}pipelines{os.sep}" in w.filename]
+    assert ours == []
 
 
 def test_force_rewrites_every_shard_of_a_finished_output(ray_cluster, corpus, ingested, tmp_path):

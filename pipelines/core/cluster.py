@@ -1,8 +1,12 @@
-"""Joining the Ray cluster: the one place a stage, the runner or the CLI connects to Ray."""
+"""Joining the Ray cluster (the one place a stage, the runner or the CLI connects to Ray), and passing Ray Data
+the task options it takes only as remote args."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pipelines.core import stopping
@@ -20,3 +24,15 @@ def connect(address: str | None = None, **local: Any) -> None:
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS"), **local)
         stopping.handle_sigterm()  # ray.init put Ray's `sys.exit(15)` in its place
+
+
+@contextmanager
+def ray_remote_args() -> Iterator[None]:
+    """Build Ray Data operators that take task options (retries, generator backpressure) as remote args.
+
+    Ray 2.60 names no parameter for them and flags remote args as deprecated for Ray 2.64, once per call
+    site; pyproject keeps Ray below 2.61, so that warning is nothing a user of vitpipe can act on.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        yield

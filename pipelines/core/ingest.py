@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.core import plan as ingest_plan, shards
-from pipelines.core.cluster import connect
+from pipelines.core.cluster import connect, ray_remote_args
 from pipelines.core.sources import Planner, object_plans, pattern_root
 from pipelines.core.fetch import reusable
 from pipelines.core.errors import (IngestError, StorageError, TransientStorageError, VitpipeError, error_class,
@@ -239,27 +239,27 @@ def _run_pipeline(
     ctx.op_resource_reservation_enabled = False
     # The context is captured when the dataset is created; restore it for everyone else.
     try:
-        ds = ray.data.from_items([{"plan": 0}]).map_batches(
-            _plan_udf,
-            batch_size=1,
-            fn_kwargs={"config": config, "source": source, "manifest": manifest, "fingerprint": fingerprint,
-                       "planner": kind.planner},
-            num_cpus=0,  # listing is I/O; it must not hold a CPU slot the decoders need
-            # Ray Data pauses a task 2 unread blocks ahead and reads a planner's output within a byte budget;
-            # the planner then lived as long as the decoders, and a decoder waited for a new worker process.
-            _generator_backpressure_num_objects=2 * PLANS_AHEAD,  # a block and its metadata per plan
-        )
-        ds = ds.map_batches(
-            _process_udf,
-            batch_size=1,
-            fn_kwargs={"config": config, "source": source, "out": out, "process": kind.process},
-            num_cpus=1,
-            compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
-            # A shard whose reads kept failing for a cause that may pass is tried again as a whole.
-            # (Passed as remote args: Ray 2.60 names no parameter for retries; the deprecation is for 2.64.)
-            max_retries=SHARD_TASK_RETRIES,
-            retry_exceptions=[TransientStorageError],
-        )
+        with ray_remote_args():
+            ds = ray.data.from_items([{"plan": 0}]).map_batches(
+                _plan_udf,
+                batch_size=1,
+                fn_kwargs={"config": config, "source": source, "manifest": manifest, "fingerprint": fingerprint,
+                           "planner": kind.planner},
+                num_cpus=0,  # listing is I/O; it must not hold a CPU slot the decoders need
+                # Ray Data pauses a task 2 unread blocks ahead and reads a planner's output within a byte budget;
+                # the planner then lived as long as the decoders, and a decoder waited for a new worker process.
+                _generator_backpressure_num_objects=2 * PLANS_AHEAD,  # a block and its metadata per plan
+            )
+            ds = ds.map_batches(
+                _process_udf,
+                batch_size=1,
+                fn_kwargs={"config": config, "source": source, "out": out, "process": kind.process},
+                num_cpus=1,
+                compute=ray.data.TaskPoolStrategy(size=config.concurrency) if config.concurrency else None,
+                # A shard whose reads kept failing for a cause that may pass is tried again as a whole.
+                max_retries=SHARD_TASK_RETRIES,
+                retry_exceptions=[TransientStorageError],
+            )
     finally:
         ctx.target_max_block_size, ctx.op_resource_reservation_enabled = previous
     summaries, digest = [], None
