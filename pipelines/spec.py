@@ -38,7 +38,7 @@ from pydantic import (
 )
 
 from pipelines.core.errors import VitpipeError
-from pipelines.core.stage_config import parse_overrides, yaml_syntax_error
+from pipelines.core.stage_config import error_message, parse_overrides, yaml_syntax_error
 from pipelines.core.storage import parse_uri
 from pipelines.core.uris import resolve_tracking_uri
 from pipelines.stages import KINDS, RUN, STAGES, Fill
@@ -333,7 +333,7 @@ def parse_spec(data: Any, source: str = "<spec>", overrides: Sequence[str] = ())
         return PipelineSpec.model_validate(data, context={"source": source})
     except ValidationError as err:
         first = err.errors()[0]
-        message = "unknown key" if first["type"] == "extra_forbidden" else str(first["msg"]).removeprefix("Value error, ")
+        message = "unknown key" if first["type"] == "extra_forbidden" else error_message(first)
         raise SpecError(f"spec {source}: {_where(first['loc'])}: {message}") from None
 
 

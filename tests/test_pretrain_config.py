@@ -55,6 +55,15 @@ def test_bad_config_is_one_line_naming_the_field():
         config(num_workrs=2)
 
 
+def test_a_value_outside_a_fixed_set_is_named_with_the_closest_choice():
+    with pytest.raises(ValueError) as err:
+        config(objective="mea")
+    assert str(err.value) == ("pretrain config: objective: Input should be 'supervised' or 'mae'; "
+                              "got 'mea' (did you mean 'mae'?)")
+    with pytest.raises(ValueError, match=r"^pretrain config: precision: .*; got 'fp8'$"):
+        config(precision="fp8")  # nothing close: no guess
+
+
 def test_config_file_and_overrides_load(tmp_path):
     path = tmp_path / "pretrain.yaml"
     path.write_text("data: s3://bucket/ingested\nsteps: 50\nwarmup_steps: 5\nlr: 0.0005\n")

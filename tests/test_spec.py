@@ -132,7 +132,7 @@ def test_stage_model_check_names_the_stage(tmp_path: Path) -> None:
 def test_unknown_kind(tmp_path: Path) -> None:
     message = bad(tmp_path, "probe: {kind: evaluate", "probe: {kind: evaluation")
     assert ("stage 'probe' field 'kind': Input should be 'ingest', 'pretrain', 'finetune', 'evaluate', "
-            "'embed', 'video_ingest', 'video_features' or 'video_train'") in message
+            "'embed', 'video_ingest', 'video_features' or 'video_train'; got 'evaluation' (did you mean 'evaluate'?)") in message
 
 
 def test_missing_kind(tmp_path: Path) -> None:

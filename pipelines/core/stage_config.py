@@ -4,14 +4,17 @@ the checks shared by stages that turn one stage's output into another (`DataToOu
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from pipelines.core.storage import parse_uri
 
@@ -57,6 +60,16 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return overrides
 
 
+def error_message(error: ErrorDetails) -> str:
+    """One pydantic error's message for a user; for a value outside a fixed set, also what was written."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "literal_error":  # pydantic names the choices, not the value it refused
+        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+        close = difflib.get_close_matches(str(error["input"]), choices, n=1)
+        message += f"; got {error['input']!r}" + (f" (did you mean '{close[0]}'?)" if close else "")
+    return message
+
+
 def load_stage_config(
     model: type[ConfigT], stage: str, source: str | os.PathLike[str] | dict[str, Any], overrides: dict[str, Any]
 ) -> ConfigT:
@@ -79,7 +92,7 @@ def load_stage_config(
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
+        message = error_message(first)
         if not where or message.startswith(where):  # the validator already named the field
             raise ValueError(f"{stage} config: {message}") from None
         raise ValueError(f"{stage} config: {where}: {message}") from None
