@@ -8,13 +8,12 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError, field_validator
-from pydantic_core import ErrorDetails
 
 from pipelines.core.storage import parse_uri
 
@@ -60,7 +59,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return overrides
 
 
-def error_message(error: ErrorDetails) -> str:
+def error_message(error: Mapping[str, Any]) -> str:
     """One pydantic error's message for a user; for a value outside a fixed set, also what was written."""
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "literal_error":  # pydantic names the choices, not the value it refused
