@@ -171,6 +171,15 @@ def test_running_a_finished_sweep_again_returns_it_without_training(sweep):
     assert len(sweep.children()) == 4
 
 
+def test_a_finished_sweep_is_handed_back_without_downloading_its_starting_weights(sweep):
+    # Over this link every read of a checkpoint's weights is refused: the reused sweep must read none.
+    with FaultProxy(sweep.config.tracking_uri, timeout=60) as link:
+        link.fail("model.safetensors", "denied", times=None)
+        again = run_finetune(sweep.config.model_copy(update={"tracking_uri": link.url}))
+    assert again.reused and again.run_id == sweep.result.run_id
+    assert link.injected["model.safetensors", "denied"] == 0
+
+
 def test_a_finished_sweep_asked_for_under_another_name_is_registered_there_without_training(sweep, pretrained):
     renamed = sweep.config.model_copy(update={"registry_model": "digits-transfer-renamed"})
     for _ in range(2):  # the second time finds the version the first registered

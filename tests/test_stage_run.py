@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.core.stage_run import stage_run
+from pipelines.core.stage_run import finished_run_id, stage_run
 
 
 @pytest.fixture
@@ -34,6 +34,20 @@ def test_a_finished_identity_is_handed_back_untouched(client: MlflowClient) -> N
         assert again.finished
     assert again.run_id == first.run_id
     assert client.get_run(first.run_id).info.end_time == end
+
+
+def test_only_a_finished_run_of_the_identity_is_found_before_opening_and_the_look_creates_nothing(
+        client: MlflowClient) -> None:
+    assert finished_run_id(client, "pretrain", _config(), {"lr": 0.1}) is None
+    assert client.get_experiment_by_name("skeleton") is None  # looking made no experiment
+    with pytest.raises(RuntimeError), stage_run(client, "pretrain", _config(), {"lr": 0.1}):
+        raise RuntimeError("worker lost")
+    assert finished_run_id(client, "pretrain", _config(), {"lr": 0.1}) is None  # FAILED: to be resumed, not reused
+    with stage_run(client, "pretrain", _config(), {"lr": 0.1}) as done:
+        pass
+    assert finished_run_id(client, "pretrain", _config(), {"lr": 0.1}) == done.run_id
+    assert finished_run_id(client, "pretrain", _config(), {"lr": 0.2}) is None
+    assert finished_run_id(client, "finetune", _config(), {"lr": 0.1}) is None
 
 
 def test_a_failing_body_ends_the_run_failed_and_a_rerun_reopens_it(client: MlflowClient) -> None:

@@ -117,6 +117,16 @@ def stage_run(
     tracking.end_run(client, run_id, True)
 
 
+def finished_run_id(client: MlflowClient, stage: str, config: Recorded, identity: Mapping[str, Any]) -> str | None:
+    """The FINISHED run of `stage` whose identity is `identity`, or None, found without opening or creating
+    anything: a stage asks before preparation that only new work needs (`stage_run` hands that run over too)."""
+    experiment = client.get_experiment_by_name(config.experiment)
+    if experiment is None:
+        return None
+    found = run_open.find_stage_run(client, experiment.experiment_id, stage, tracking.config_hash(identity))
+    return found.info.run_id if found is not None and found.info.status == "FINISHED" else None
+
+
 def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest: str,
                              identity: Mapping[str, Any]) -> None:
     """Raise a one-line ValueError when a run of `stage` named `name` (in any experiment of the store, deleted

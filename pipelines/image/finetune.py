@@ -34,7 +34,7 @@ from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_MODEL, TAG_REG
 from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
-from pipelines.core.stage_run import StageRun, stage_run
+from pipelines.core.stage_run import StageRun, finished_run_id, stage_run
 from pipelines.core.storage import S3Settings
 from pipelines.image.labeled_rows import DataSpec, raw_bytes
 from pipelines.image.finetune_results import check_sweep_ended, register_best_model, report_sweep, sweep_score
@@ -43,7 +43,8 @@ from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
 from pipelines.training.recipe import (
     RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, pinned_identity, shared_fields,
 )
-from pipelines.training.starting_weights import ARCH_FIELDS, StartingWeights, fetch_starting_weights, init_kind
+from pipelines.training.starting_weights import (ARCH_FIELDS, StartingWeights, fetch_starting_weights, init_kind,
+                                                 starting_origin)
 from pipelines.training.trainer import stage_init, storage_location
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,15 @@ def build_scheduler(config: FinetuneConfig) -> Any:
     return ASHAScheduler(time_attr="step", max_t=max_t, grace_period=grace, reduction_factor=config.reduction_factor)
 
 
+def _reused(client: Any, config: FinetuneConfig, run_id: str, lineage: dict[str, str]) -> FinetuneResult:
+    """A finished sweep of this config, registered under `registry_model` if asked (a version exists once per run
+    and name, so registering again is a no-op)."""
+    if config.registry_model:
+        score = sweep_score(client.get_run(run_id).data.metrics, config.metric, config.sweep_mode)
+        register_best_model(client, run_id, config.registry_model, lineage, score)
+    return _result_from_run(client, run_id, reused=True)
+
+
 def _result_from_run(client: Any, run_id: str, reused: bool) -> FinetuneResult:
     run = client.get_run(run_id)
     tags, metrics = run.data.tags, run.data.metrics
@@ -265,25 +275,28 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-    start = starting_weights(config, manifest, tracking_uri)
-    resolutions = check_resolutions(config, start.model, manifest)
-    data, in_memory, batch_size = training_data(config, manifest)
+    origin = starting_origin(config.init, tracking_uri)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data),
         TAG_MANIFEST: str(manifest.get("content_hash", "")),
-        "vitpipe.init": start.source,
-        "vitpipe.init_kind": start.kind,
-        **({TAG_PRETRAIN_RUN: start.source_run_id} if start.source_run_id else {}),
+        "vitpipe.init": origin.source,
+        "vitpipe.init_kind": origin.kind,
+        **({TAG_PRETRAIN_RUN: origin.run_id} if origin.run_id else {}),
     }
+    identity = run_identity(config, manifest, origin.run_id)
+    # A finished sweep is handed back before the starting weights are downloaded (ViT-L's are 1.2 GB).
+    finished = finished_run_id(client, STAGE, config, identity)
+    if finished:
+        return _reused(client, config, finished, tags)
+    start = starting_weights(config, manifest, tracking_uri)
+    resolutions = check_resolutions(config, start.model, manifest)
+    data, in_memory, batch_size = training_data(config, manifest)
     connect(ray_address)
     per_worker, concurrent = trial_capacity(config, streaming=not in_memory)
-    with stage_run(client, STAGE, config, run_identity(config, manifest, start.source_run_id),
+    with stage_run(client, STAGE, config, identity,
                    tags={**tags, **tracking.system_info(config.num_workers, config.use_gpu)}) as run:
-        if run.finished:
-            if config.registry_model:  # idempotent: a version exists once per run and name
-                score = sweep_score(client.get_run(run.run_id).data.metrics, config.metric, config.sweep_mode)
-                register_best_model(client, run.run_id, config.registry_model, tags, score)
-            return _result_from_run(client, run.run_id, reused=True)
+        if run.finished:  # finished by another vitpipe since the look above
+            return _reused(client, config, run.run_id, tags)
         run.log_config({**config.model_dump(mode="json"), "batch_size": batch_size,
                         "pretrain_resolution": start.model.config.image_size})
         storage_path, filesystem = storage_location(config)

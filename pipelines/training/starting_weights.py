@@ -44,6 +44,28 @@ ARCH_FIELDS = (
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where starting weights come from, known without fetching them."""
+
+    kind: Kind
+    source: str  # the `init` as given (userinfo stripped), "none" for scratch
+    run_id: str | None  # the MLflow run that produced the weights, when known
+
+
+def starting_origin(init: str | None, tracking_uri: str) -> Origin:
+    """Classify `init` and find the MLflow run behind it from metadata alone, without downloading weights: all
+    that a stage's identity needs, so that a finished run is found before any checkpoint is fetched."""
+    kind = init_kind(init)
+    run_id = None
+    if kind == "run":
+        run_id = _run_and_artifact(str(init))[0]
+        _check_run(run_id, tracking_uri)
+    elif kind == "registry":
+        run_id = _version(str(init), tracking_uri)[0].run_id
+    return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id)
+
+
 @dataclass
 class StartingWeights:
     """A starting model and where it came from."""
@@ -107,27 +129,35 @@ def _load_files(local: Path, source: str) -> Any:
         raise ValueError(f"init {source}: not a loadable vit checkpoint (config.json + model.safetensors): {cause}") from None
 
 
-def _from_run(init: str, tracking_uri: str) -> tuple[Any, str]:
-    import mlflow
-
+def _run_and_artifact(init: str) -> tuple[str, str]:
+    """`runs:/<id>[/path]` or a bare run id as (run id, artifact path)."""
     if init.startswith("runs:/"):
         run_id, _, artifact = init.removeprefix("runs:/").partition("/")
     else:
         run_id, artifact = init, ""
-    artifact = artifact.strip("/") or DEFAULT_RUN_ARTIFACT
+    return run_id, artifact.strip("/") or DEFAULT_RUN_ARTIFACT
+
+
+def _check_run(run_id: str, tracking_uri: str) -> None:
+    import mlflow
+
     try:
         _client(tracking_uri).get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
         if _not_found(err):
             raise ValueError(f"init: MLflow run {run_id!r} not found at {strip_userinfo(tracking_uri)}") from None
         raise
+
+
+def _from_run(init: str, tracking_uri: str) -> Any:
+    run_id, artifact = _run_and_artifact(init)
     uri = f"runs:/{run_id}/{artifact}"
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = download_checkpoint(uri, tmp, tracking_uri)
         except ValueError as err:
             raise ValueError(f"init: {err}") from None
-        return _load_files(local, uri), run_id
+        return _load_files(local, uri)
 
 
 def _registered_version(client: Any, name_version: str) -> Any:
@@ -146,18 +176,23 @@ def _registered_version(client: Any, name_version: str) -> Any:
     return client.get_model_version(name, number)
 
 
-def _from_registry(init: str, tracking_uri: str) -> tuple[Any, str | None]:
-    """The registered version's `artifacts/checkpoint` files, read by vit; MLflow's loaders (and pickle) are not used."""
+def _version(init: str, tracking_uri: str) -> tuple[Any, str]:
+    """The registered version `init` (`models:/...`) names, and where its files are."""
     import mlflow
 
     client = _client(tracking_uri)
     try:
         version = _registered_version(client, init.removeprefix("models:/"))
-        root = client.get_model_version_download_uri(version.name, version.version)
+        return version, client.get_model_version_download_uri(version.name, version.version)
     except mlflow.exceptions.MlflowException as err:
         if _not_found(err):
             raise ValueError(f"init: registered model {init!r} not found at {strip_userinfo(tracking_uri)}") from None
         raise
+
+
+def _from_registry(init: str, tracking_uri: str) -> Any:
+    """The registered version's `artifacts/checkpoint` files, read by vit; MLflow's loaders (and pickle) are not used."""
+    version, root = _version(init, tracking_uri)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri)
@@ -166,7 +201,7 @@ def _from_registry(init: str, tracking_uri: str) -> tuple[Any, str | None]:
                 f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
                 "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
             ) from None
-        return _load_files(local, init), version.run_id
+        return _load_files(local, init)
 
 
 def _from_storage(init: str, endpoint_url: str | None) -> Any:
@@ -216,9 +251,8 @@ def fetch_starting_weights(
     """
     import torch
 
-    kind = init_kind(init)
-    source = "none" if kind == "scratch" else strip_userinfo(str(init))
-    run_id: str | None = None
+    origin = starting_origin(init, tracking_uri)
+    kind, source = origin.kind, origin.source
     if kind == "scratch":
         if not model_name:
             raise ValueError("model: required when training from scratch (init is none)")
@@ -226,9 +260,9 @@ def fetch_starting_weights(
             torch.manual_seed(seed)
             model = vit.create_model(model_name, **model_overrides)
     elif kind == "run":
-        model, run_id = _from_run(str(init), tracking_uri)
+        model = _from_run(str(init), tracking_uri)
     elif kind == "registry":
-        model, run_id = _from_registry(str(init), tracking_uri)
+        model = _from_registry(str(init), tracking_uri)
     elif kind == "checkpoint":
         model = _from_storage(str(init), endpoint_url)
     else:
@@ -237,7 +271,8 @@ def fetch_starting_weights(
         raise ValueError(f"init {source}: holds a {type(model).__name__}, not a ViT")
     if model_name and kind in ("run", "registry", "checkpoint"):
         check_architecture(model, model_name, model_overrides, source)
-    return StartingWeights(kind, source, run_id, model)
+    return StartingWeights(kind, source, origin.run_id, model)
 
 
-__all__ = ["ARCH_FIELDS", "StartingWeights", "check_architecture", "fetch_starting_weights", "init_kind"]
+__all__ = ["ARCH_FIELDS", "Origin", "StartingWeights", "check_architecture", "fetch_starting_weights", "init_kind",
+           "starting_origin"]
