@@ -187,6 +187,16 @@ def test_rerunning_a_finished_config_returns_its_run_without_training(trained):
     assert again.evaluation == result.evaluation
 
 
+def test_a_finished_run_is_handed_back_without_loading_its_backbone(trained, monkeypatch):
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the starting VTN, and so its backbone's weights, was loaded for a finished run")
+
+    monkeypatch.setattr("pipelines.video.train.build_initial_model", tripwire)
+    config, result = trained
+    again = run_video_train(config)
+    assert again.reused and again.run_id == result.run_id
+
+
 # ---------------------------------------------------------------- the model the stage builds (no training)
 
 

@@ -46,8 +46,9 @@ from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_VERSION, Regis
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
-from pipelines.core.stage_run import stage_run
+from pipelines.core.stage_run import finished_run_id, stage_run
 from pipelines.training.recipe import TRAIN_NOT_IDENTITY, TrainRecipe, pinned_identity
+from pipelines.training.starting_weights import Origin, starting_origin
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
 from pipelines.video.loop_hooks import ClipHooks, FeatureHooks
 from pipelines.core.shards import class_names
@@ -220,13 +221,13 @@ def _training_data(config: VideoTrainConfig) -> tuple[VideoTrainConfig, dict[str
     return config, manifest, features
 
 
-def _run_tags(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialModel) -> dict[str, str]:
+def _run_tags(config: VideoTrainConfig, manifest: dict[str, Any], backbone: Origin) -> dict[str, str]:
     """The stage run's tags: the data, the backbone's origin (lineage) and the machine."""
     return {
         "vitpipe.data_uri": strip_userinfo(config.data),
         "vitpipe.manifest_hash": manifest_digest(manifest),
-        "vitpipe.backbone_init": initial.backbone_source,
-        **({TAG_BACKBONE_RUN: initial.backbone_run_id} if initial.backbone_run_id else {}),
+        "vitpipe.backbone_init": backbone.source,
+        **({TAG_BACKBONE_RUN: backbone.run_id} if backbone.run_id else {}),
         **({"vitpipe.ingest_run_id": config.ingest_run_id} if config.ingest_run_id else {}),
         **tracking.system_info(config.num_workers, config.use_gpu),
     }
@@ -249,6 +250,13 @@ def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialMod
     return fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
 
 
+def _reused(client: Any, config: VideoTrainConfig, run_id: str, tags: dict[str, str]) -> VideoTrainResult:
+    """A finished run of this config, registered under `registry_model` if asked (once per run and name)."""
+    if config.registry_model:
+        _register(client, run_id, config.registry_model, config, tags)
+    return _result_from_run(client, run_id, reused=True)
+
+
 def _register(client: Any, run_id: str, name: str, config: VideoTrainConfig, tags: dict[str, str]) -> None:
     """Register the run's logged model as a version of `name` (once per run and name).
 
@@ -266,16 +274,19 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     classes = class_names(manifest)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
+    tags = _run_tags(config, manifest, starting_origin(config.init, tracking_uri))
+    identity = run_identity(config, manifest)
+    # A finished run is handed back before the backbone's weights are downloaded.
+    finished = finished_run_id(client, STAGE, config, identity)
+    if finished:
+        return _reused(client, config, finished, tags)
     initial = build_initial_model(config, len(classes), tracking_uri)
     if features:
         check_backbone(initial.model, manifest, config)
     connect(ray_address)
-    tags = _run_tags(config, manifest, initial)
-    with stage_run(client, STAGE, config, run_identity(config, manifest), tags=tags) as run:
-        if run.finished:
-            if config.registry_model:  # a finished run asked for under another name is registered there too
-                _register(client, run.run_id, config.registry_model, config, tags)
-            return _result_from_run(client, run.run_id, reused=True)
+    with stage_run(client, STAGE, config, identity, tags=tags) as run:
+        if run.finished:  # finished by another vitpipe since the look above
+            return _reused(client, config, run.run_id, tags)
         run.log_config({**config.model_dump(mode="json"), "frame_size": initial.frame_size,
                         "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()})
         result = _fit(config, manifest, initial, client, run.run_id, run.name, tracking_uri)
