@@ -353,12 +353,6 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Pi
     return parse_spec(data, source, overrides)
 
 
-__all__ = [
-    "PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec", "is_run_ref",
-    "load_spec", "parse_spec",
-]
-
-
 def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
     """The stage names given to `--force`, each checked to be a stage of `spec`."""
     names = set(force)
@@ -367,3 +361,10 @@ def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
         raise VitpipeError(f"--force {unknown[0]}: pipeline {spec.name!r} has no such stage; "
                            f"its stages are {', '.join(spec.stages)}")
     return names
+
+
+__all__ = [
+    "PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec", "check_forced",
+    "is_run_ref", "load_spec", "parse_spec",
+]
+
