@@ -27,6 +27,7 @@ from pipelines.core import tracking
 from pipelines.image import embed, evaluate, finetune, pretrain
 from pipelines.image.ingest import IngestConfig
 from pipelines.stages import STAGES
+from pipelines.training.starting_weights import Origin, init_kind
 from pipelines.training.step import resolve_precision
 from pipelines.video import features, train as video_train
 from pipelines.video.ingest import VideoIngestConfig
@@ -56,9 +57,11 @@ def manifest_of(config: BaseModel) -> dict[str, Any]:
     return {"content_hash": "sha256:" + hashlib.sha256(data.encode()).hexdigest(), "classes": ["a", "b", "c"]}
 
 
-def source_run(init: str | None) -> str | None:
-    """The run a starting-weights reference names (as `fetch_starting_weights` would report it)."""
-    return init if init and len(init) == 32 else None
+def origin_of(init: str | None) -> Origin:
+    """What a starting-weights reference names, as `starting_origin` would report it for a bare run id or a
+    checkpoint whose files are left unread here."""
+    kind = init_kind(init)
+    return Origin(kind, init or "none", init if kind == "run" else None)
 
 
 def features_identity(config: features.VideoFeaturesConfig) -> dict[str, Any]:
@@ -112,14 +115,14 @@ def cases() -> dict[str, list[Case]]:
                           lambda c: pretrain.run_identity(c, manifest_of(c)), pretrain.NOT_IDENTITY)],
         "finetune": [Case(finetune.FinetuneConfig, {"data": "/data", "init": RUN_A, "model": "ViT-Ti/16",
                                                     "model_overrides": {"dropout": 0.1}},
-                          lambda c: finetune.run_identity(c, manifest_of(c), source_run(c.init)), finetune.NOT_IDENTITY)],
+                          lambda c: finetune.run_identity(c, manifest_of(c), origin_of(c.init)), finetune.NOT_IDENTITY)],
         "evaluate": [Case(evaluate.EvaluateConfig, {"data": "/data", "init": RUN_A},
-                          lambda c: evaluate.run_identity(c, manifest_of(c), source_run(c.init), c.resolution or 16),
+                          lambda c: evaluate.run_identity(c, manifest_of(c), origin_of(c.init), c.resolution or 16),
                           evaluate.NOT_IDENTITY)],
         "embed": [Case(embed.EmbedConfig, {"data": "/data", "output": "/embeddings", "model": "ViT-Ti/16",
                                            "model_overrides": TINY}, embed_identity, embed.NOT_IDENTITY)],
         "video_train": [Case(video_train.VideoTrainConfig, {**video, "steps": 10, "warmup_steps": 1},
-                             lambda c: video_train.run_identity(c, manifest_of(c)), video_train.NOT_IDENTITY)],
+                             lambda c: video_train.run_identity(c, manifest_of(c), origin_of(c.init)), video_train.NOT_IDENTITY)],
         "video_features": [Case(features.VideoFeaturesConfig, {**video, "output": "/features"}, features_identity,
                                 features.NOT_IDENTITY)],
     }
@@ -241,3 +244,47 @@ def test_a_pretrain_field_added_later_keeps_earlier_runs_identity_at_its_default
     assert not set(pretrain.LATER_FIELDS) & set(pretrain.run_identity(base, manifest_of(base)))
     on_device = base.model_copy(update={"augment_on": "device"})
     assert pretrain.run_identity(on_device, manifest_of(on_device))["augment_on"] == "device"
+
+
+# The stages that start from weights `init` names, each with a base config and its identity given an origin.
+STARTING = {
+    "finetune": (lambda: finetune.FinetuneConfig(data="/data", init=RUN_A, model="ViT-Ti/16"),
+                 lambda c, o: finetune.run_identity(c, manifest_of(c), o)),
+    "evaluate": (lambda: evaluate.EvaluateConfig(data="/data", init=RUN_A),
+                 lambda c, o: evaluate.run_identity(c, manifest_of(c), o, 16)),
+    "video_train": (lambda: video_train.VideoTrainConfig(data="/videos", init=RUN_A, steps=10, warmup_steps=1),
+                    lambda c, o: video_train.run_identity(c, manifest_of(c), o)),
+}
+
+
+@pytest.mark.parametrize("kind", list(STARTING))
+def test_an_init_that_now_names_another_run_changes_the_identity(kind):
+    """`models:/name@champion` or `/latest` moving to another version: the same string, other weights."""
+    make, identity = STARTING[kind]
+    config = make().model_copy(update={"init": "models:/vit@champion"})
+    before, after = (Origin("registry", "models:/vit@champion", run) for run in (RUN_A, RUN_B))
+    assert tracking.config_hash(identity(config, before)) != tracking.config_hash(identity(config, after))
+
+
+@pytest.mark.parametrize("kind", list(STARTING))
+def test_a_checkpoint_whose_files_changed_changes_the_identity(kind):
+    make, identity = STARTING[kind]
+    config = make().model_copy(update={"init": "s3://bucket/ckpt"})
+    before, after = (Origin("checkpoint", "s3://bucket/ckpt", None, digest) for digest in ("s3-etags:1", "s3-etags:2"))
+    assert tracking.config_hash(identity(config, before)) != tracking.config_hash(identity(config, after))
+
+
+@pytest.mark.parametrize("kind", list(STARTING))
+def test_a_run_named_start_keeps_the_identity_it_had_before_files_were_digested(kind):
+    """Runs are immutable, so a start from a run adds no digest: its finished runs stay reusable."""
+    make, identity = STARTING[kind]
+    assert "init_content" not in identity(make(), Origin("run", RUN_A, RUN_A))
+
+
+def test_a_video_run_from_a_run_id_or_from_scratch_keeps_the_identity_recorded_before_origins():
+    """A run id already pins its run; only an alias, `latest` or files add to a video run's identity."""
+    config = STARTING["video_train"][0]()
+    scratch = config.model_copy(update={"init": None, "backbone": "ViT-Ti/4", "backbone_overrides": TINY})
+    for c, origin in ((config, Origin("run", RUN_A, RUN_A)), (scratch, Origin("scratch", "none", None))):
+        identity = video_train.run_identity(c, manifest_of(c), origin)
+        assert not {"init_source_run", "init_content"} & set(identity)

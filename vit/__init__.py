@@ -17,7 +17,7 @@ from vit.registry import create_model, list_models, register_model
 from vit.resnet import ResNet, ResNetConfig
 from vit.surgery import at_resolution, freeze_backbone, weights_hash
 from vit.vtn import VTN, VTNConfig, create_vtn  # imported here so its presets register with `vit.registry`
-from vit.weights import load_checkpoint, load_pretrained, register_arch, save_checkpoint
+from vit.weights import load_checkpoint, load_pretrained, register_arch, save_checkpoint, weights_files
 
 __all__ = [
     "VTN",
@@ -47,5 +47,6 @@ __all__ = [
     "register_model",
     "save_checkpoint",
     "unpatchify",
+    "weights_files",
     "weights_hash",
 ]

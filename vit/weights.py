@@ -58,6 +58,16 @@ def _resolve(path: Path) -> list[Path]:
     raise ValueError(f"weights path {path} does not exist (only local files are read; nothing is downloaded)")
 
 
+def weights_files(path: str | Path) -> list[Path]:
+    """The local files `load_pretrained(model, path)` reads: the weights file(s) and any `config.json` beside
+    them, so a caller can tell by their bytes whether the weights changed."""
+    path = Path(path)
+    found = _resolve(path)
+    beside = (path if path.is_dir() else path.parent) / CONFIG_FILE
+    index = path / "model.safetensors.index.json"
+    return [*found, *([index] if path.is_dir() and index.is_file() else []), *([beside] if beside.is_file() else [])]
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Tensors from a `.safetensors` or `.bin`/`.pth`/`.pt` file, or a directory holding one.
 
@@ -315,4 +325,5 @@ __all__ = [
     "read_state_dict",
     "register_arch",
     "save_checkpoint",
+    "weights_files",
 ]

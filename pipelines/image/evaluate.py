@@ -33,6 +33,7 @@ from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.labeled_rows import DataSpec, decode_batch, iter_rows
 from pipelines.image.frozen_model import load_frozen_model
+from pipelines.training.starting_weights import Origin, origin_identity
 from pipelines.core.shards import class_labels, class_names
 
 logger = logging.getLogger(__name__)
@@ -250,13 +251,11 @@ def _log_table(client: Any, run_id: str, table: dict[int, list[float]], num_clas
     logger.info("evaluate: %s", ", ".join(f"{k}-shot {np.mean(v):.3f}" for k, v in table.items()))
 
 
-def run_identity(config: EvaluateConfig, manifest: dict[str, Any], init_source_run: str | None,
-                 resolution: int) -> dict[str, Any]:
-    """What decides the measurement: the config, the data's content hash, the run the weights came from and
-    the resolution they are evaluated at; known before anything runs."""
+def run_identity(config: EvaluateConfig, manifest: dict[str, Any], origin: Origin, resolution: int) -> dict[str, Any]:
+    """What decides the measurement: the config, the data's content hash, what names the weights (their run or
+    their files' digest) and the resolution they are evaluated at."""
     identity = tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY))
-    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=init_source_run,
-                    resolution=resolution)
+    identity.update(data_content_hash=manifest.get("content_hash"), **origin_identity(origin), resolution=resolution)
     return identity
 
 
@@ -266,7 +265,7 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     start, size = load_frozen_model(config, manifest, tracking_uri)
-    identity = run_identity(config, manifest, start.source_run_id, size)
+    identity = run_identity(config, manifest, start.origin, size)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),

@@ -43,8 +43,8 @@ from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
 from pipelines.training.recipe import (
     RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, pinned_identity, shared_fields,
 )
-from pipelines.training.starting_weights import (ARCH_FIELDS, StartingWeights, fetch_starting_weights, init_kind,
-                                                 starting_origin)
+from pipelines.training.starting_weights import (ARCH_FIELDS, Origin, StartingWeights, fetch_starting_weights,
+                                                 init_kind, origin_identity, starting_origin)
 from pipelines.training.trainer import stage_init, storage_location
 
 logger = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-    origin = starting_origin(config.init, tracking_uri)
+    origin = starting_origin(config.init, tracking_uri, config.endpoint_url)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data),
         TAG_MANIFEST: str(manifest.get("content_hash", "")),
@@ -283,12 +283,12 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
         "vitpipe.init_kind": origin.kind,
         **({TAG_PRETRAIN_RUN: origin.run_id} if origin.run_id else {}),
     }
-    identity = run_identity(config, manifest, origin.run_id)
+    identity = run_identity(config, manifest, origin)
     # A finished sweep is handed back before the starting weights are downloaded (ViT-L's are 1.2 GB).
     finished = finished_run_id(client, STAGE, config, identity)
     if finished:
         return _reused(client, config, finished, tags)
-    start = starting_weights(config, manifest, tracking_uri)
+    start = starting_weights(config, manifest, tracking_uri, origin)
     resolutions = check_resolutions(config, start.model, manifest)
     data, in_memory, batch_size = training_data(config, manifest)
     connect(ray_address)
@@ -311,23 +311,24 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     return _result_from_run(client, run.run_id, reused=False)
 
 
-def starting_weights(config: FinetuneConfig, manifest: dict[str, Any], tracking_uri: str) -> StartingWeights:
-    """The model the sweep starts from (see `pipelines.training.starting_weights`); one built here starts at
-    the data's image size."""
+def starting_weights(config: FinetuneConfig, manifest: dict[str, Any], tracking_uri: str,
+                     origin: Origin | None = None) -> StartingWeights:
+    """The model the sweep starts from (see `pipelines.training.starting_weights`; `origin`: its origin when
+    already known); one built here starts at the data's image size."""
     overrides = dict(config.model_overrides)
     if init_kind(config.init) in ("scratch", "foreign"):
         overrides.setdefault("image_size", manifest["image_size"])
     return fetch_starting_weights(
         config.init, model_name=config.model, model_overrides=overrides, tracking_uri=tracking_uri,
-        endpoint_url=config.endpoint_url, seed=config.seed,
+        endpoint_url=config.endpoint_url, seed=config.seed, origin=origin,
     )
 
 
-def run_identity(config: FinetuneConfig, manifest: dict[str, Any], init_source_run: str | None) -> dict[str, Any]:
-    """The part of a config (plus the data's content hash and the run the starting weights came from) that
-    decides what is trained; known before anything runs."""
+def run_identity(config: FinetuneConfig, manifest: dict[str, Any], origin: Origin) -> dict[str, Any]:
+    """The part of a config (plus the data's content hash and what names the starting weights: their run or
+    their files' digest) that decides what is trained; known before anything runs."""
     identity = pinned_identity(tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY)), config, PINNED)
-    identity.update(data_content_hash=manifest.get("content_hash"), init_source_run=init_source_run)
+    identity.update(data_content_hash=manifest.get("content_hash"), **origin_identity(origin))
     return identity
 
 

@@ -21,6 +21,7 @@ found there is unpickled or run, whatever else the folder holds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import re
@@ -51,29 +52,54 @@ class Origin:
     kind: Kind
     source: str  # the `init` as given (userinfo stripped), "none" for scratch
     run_id: str | None  # the MLflow run that produced the weights, when known
+    content: str | None = None  # a digest of the weights' files, where no MLflow run names them
 
 
-def starting_origin(init: str | None, tracking_uri: str) -> Origin:
-    """Classify `init` and find the MLflow run behind it from metadata alone, without downloading weights: all
-    that a stage's identity needs, so that a finished run is found before any checkpoint is fetched."""
+def starting_origin(init: str | None, tracking_uri: str, endpoint_url: str | None = None) -> Origin:
+    """Classify `init` and find what names its weights without downloading them: the MLflow run behind a run
+    or registered version, or a digest of a checkpoint's or weights file's bytes (its ETags on S3). All that
+    a stage's identity needs, so that a finished run is found before any checkpoint is fetched, and a folder
+    or alias that now holds other weights is never taken for the one a finished run started from."""
     kind = init_kind(init)
-    run_id = None
+    run_id = content = None
     if kind == "run":
         run_id = _run_and_artifact(str(init))[0]
         _check_run(run_id, tracking_uri)
     elif kind == "registry":
         run_id = _version(str(init), tracking_uri)[0].run_id
-    return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id)
+    elif kind == "checkpoint":
+        content = _checkpoint_digest(str(init), endpoint_url)
+    elif kind == "foreign":
+        content = _foreign_digest(str(init))
+    return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id, content)
+
+
+def origin_identity(origin: Origin) -> dict[str, str | None]:
+    """What a stage's run identity holds of its starting weights: the run that produced them and, where no
+    run names them, the digest of their files."""
+    return {"init_source_run": origin.run_id, **({"init_content": origin.content} if origin.content else {})}
 
 
 @dataclass
 class StartingWeights:
     """A starting model and where it came from."""
 
-    kind: Kind
-    source: str  # the `init` as given (userinfo stripped), "none" for scratch
-    source_run_id: str | None  # the MLflow run that produced the weights, when known
+    origin: Origin
     model: Any  # a vit.VisionTransformer
+
+    @property
+    def kind(self) -> Kind:
+        return self.origin.kind
+
+    @property
+    def source(self) -> str:
+        """The `init` as given (userinfo stripped), "none" for scratch."""
+        return self.origin.source
+
+    @property
+    def source_run_id(self) -> str | None:
+        """The MLflow run that produced the weights, when known."""
+        return self.origin.run_id
 
 
 def init_kind(init: str | None) -> Kind:
@@ -98,6 +124,49 @@ def _is_project_checkpoint(directory: Path) -> bool:
         return "arch" in json.loads(config.read_text())
     except ValueError:
         return False
+
+
+def _files_digest(files: list[Path]) -> str:
+    """sha256 over each file's name and bytes."""
+    outer = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            outer.update(f"{f.name}\0{hashlib.file_digest(fh, 'sha256').hexdigest()}\n".encode())
+    return "sha256:" + outer.hexdigest()
+
+
+def _checkpoint_digest(init: str, endpoint_url: str | None) -> str:
+    """A digest of a project checkpoint's files: their bytes on a local disk, their sizes and ETags (S3's
+    own content hashes, read from one listing) in a bucket."""
+    source = strip_userinfo(init)
+    if not is_s3_uri(init):
+        return _files_digest([Path(init.removeprefix("file://"), name) for name in CHECKPOINT_FILES])
+    listed: dict[str, tuple[int, str]] = {}
+    for page in open_store(init, endpoint_url=endpoint_url).list_entries():
+        listed.update({key: (size, version) for key, size, version in page if key in CHECKPOINT_FILES})
+        if len(listed) == len(CHECKPOINT_FILES):
+            break
+    missing = [name for name in CHECKPOINT_FILES if name not in listed]
+    if missing:
+        raise ValueError(f"init {source}: not a vit checkpoint (no {missing[0]})")
+    text = "".join(f"{name}\0{listed[name][0]}\0{listed[name][1]}\n" for name in CHECKPOINT_FILES)
+    return "s3-etags:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _foreign_path(init: str) -> Path:
+    path = Path(init.removeprefix("file://"))
+    if not path.exists():
+        raise ValueError(f"init {init}: no such file or directory (and not a run id, runs:/ or models:/ URI)")
+    return path
+
+
+def _foreign_digest(init: str) -> str:
+    try:
+        return _files_digest(vit.weights_files(_foreign_path(init)))
+    except OSError as err:
+        raise ValueError(f"init {init}: cannot read the weights: {err.strerror or err}") from None
+    except ValueError as err:
+        raise ValueError(err if str(err).startswith("init ") else f"init {init}: {err}") from None
 
 
 def check_architecture(model: Any, model_name: str, overrides: dict[str, Any], source: str) -> None:
@@ -216,9 +285,7 @@ def _from_storage(init: str, endpoint_url: str | None) -> Any:
 
 
 def _from_foreign(init: str, model_name: str | None, overrides: dict[str, Any]) -> Any:
-    path = Path(init.removeprefix("file://"))
-    if not path.exists():
-        raise ValueError(f"init {init}: no such file or directory (and not a run id, runs:/ or models:/ URI)")
+    path = _foreign_path(init)
     if not model_name:
         raise ValueError(f"init {init}: a timm/Hugging Face weights file needs `model` to name its architecture")
     model = vit.create_model(model_name, **overrides)
@@ -241,17 +308,19 @@ def fetch_starting_weights(
     tracking_uri: str,
     endpoint_url: str | None = None,
     seed: int = 0,
+    origin: Origin | None = None,
 ) -> StartingWeights:
     """Load the starting ViT that `init` names (see the module docstring).
 
     `model_name` + `model_overrides` build the model for "none" and foreign
     files; for the other sources they are optional and, when given, must match
     the checkpoint's architecture (a one-line ValueError names the fields).
-    A from-scratch model's random weights are drawn from `seed`.
+    A from-scratch model's random weights are drawn from `seed`. `origin`: `starting_origin`'s answer for
+    this `init`, when the caller already has it (runs are not looked up nor files digested again).
     """
     import torch
 
-    origin = starting_origin(init, tracking_uri)
+    origin = origin or starting_origin(init, tracking_uri, endpoint_url)
     kind, source = origin.kind, origin.source
     if kind == "scratch":
         if not model_name:
@@ -271,8 +340,8 @@ def fetch_starting_weights(
         raise ValueError(f"init {source}: holds a {type(model).__name__}, not a ViT")
     if model_name and kind in ("run", "registry", "checkpoint"):
         check_architecture(model, model_name, model_overrides, source)
-    return StartingWeights(kind, source, origin.run_id, model)
+    return StartingWeights(origin, model)
 
 
 __all__ = ["ARCH_FIELDS", "Origin", "StartingWeights", "check_architecture", "fetch_starting_weights", "init_kind",
-           "starting_origin"]
+           "origin_identity", "starting_origin"]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 import vit
-from pipelines.training.starting_weights import fetch_starting_weights, init_kind
+from pipelines.training.starting_weights import Origin, fetch_starting_weights, init_kind
 from vit.longformer import LongformerConfig
 from vit.vtn import VTN, VTN_PRESETS, VTNConfig
 
@@ -110,12 +110,13 @@ def _square_size(image_size: Any, what: str) -> int:
     return int(image_size)
 
 
-def _backbone(config: ModelFields, tracking_uri: str) -> tuple[str, dict[str, Any], int, tuple[str, str | None, Any]]:
+def _backbone(config: ModelFields, tracking_uri: str,
+              origin: Origin | None) -> tuple[str, dict[str, Any], int, tuple[str, str | None, Any]]:
     """`(name, overrides, frame size, (source, source run id, weights or None))` of the VTN's backbone."""
     if init_kind(config.init) != "scratch":
         start = fetch_starting_weights(
             config.init, model_name=config.backbone, model_overrides=config.backbone_overrides,
-            tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, seed=config.seed,
+            tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, seed=config.seed, origin=origin,
         )
         size = config.frame_size or _square_size(start.model.config.image_size, f"init {start.source}")
         backbone = vit.at_resolution(start.model, size, 0)  # position embeddings resampled to the frame grid
@@ -134,12 +135,14 @@ def _backbone(config: ModelFields, tracking_uri: str) -> tuple[str, dict[str, An
     return name, overrides, size, ("none", None, None)
 
 
-def build_initial_model(config: ModelFields, num_classes: int, tracking_uri: str) -> InitialModel:
+def build_initial_model(config: ModelFields, num_classes: int, tracking_uri: str,
+                        origin: Origin | None = None) -> InitialModel:
     """The VTN to train: backbone from `config.init` (at `frame_size`, head removed) or fresh, the rest fresh.
+    `origin`: `starting_origin`'s answer for `config.init`, when the caller already has it.
 
     Raises a one-line ValueError for backbones that do not fit (names, shapes, head count).
     """
-    name, overrides, size, (source, run_id, weights) = _backbone(config, tracking_uri)
+    name, overrides, size, (source, run_id, weights) = _backbone(config, tracking_uri, origin)
     vtn_config = VTNConfig(
         backbone=name, backbone_overrides=overrides, freeze_backbone=config.freeze_backbone, num_classes=num_classes,
         num_frames=config.train_frames, temporal_pos_embed=_POS_EMBED[config.temporal_pos_embed], **config.vtn,

@@ -48,7 +48,7 @@ from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import finished_run_id, stage_run
 from pipelines.training.recipe import TRAIN_NOT_IDENTITY, TrainRecipe, pinned_identity
-from pipelines.training.starting_weights import Origin, starting_origin
+from pipelines.training.starting_weights import Origin, origin_identity, starting_origin
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
 from pipelines.video.loop_hooks import ClipHooks, FeatureHooks
 from pipelines.core.shards import class_names
@@ -148,12 +148,21 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any], **overrides: An
 # ---------------------------------------------------------------- the stage
 
 
-def run_identity(config: VideoTrainConfig, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The part of a config (plus the data's content hash) that decides what is trained and evaluated; known
-    before anything runs."""
+def run_identity(config: VideoTrainConfig, manifest: dict[str, Any], backbone: Origin) -> dict[str, Any]:
+    """The part of a config (plus the data's content hash and what names the backbone's weights: their run or
+    their files' digest) that decides what is trained and evaluated; known before anything runs."""
     tree = pinned_identity(tracking.redact(config.model_dump(mode="json", exclude=NOT_IDENTITY)), config, PINNED)
-    tree["data_content_hash"] = manifest_digest(manifest)
+    tree.update(data_content_hash=manifest_digest(manifest), **_backbone_identity(backbone))
     return tree
+
+
+def _backbone_identity(backbone: Origin) -> dict[str, str]:
+    """What `init` itself does not pin: the run behind a registered version (an alias or `latest` moves) and
+    the digest of a checkpoint's or weights file's bytes. A run id or scratch adds nothing, so the video runs
+    recorded before these were added are still found."""
+    named = origin_identity(backbone)
+    return {key: value for key, value in named.items()
+            if value is not None and (key != "init_source_run" or backbone.kind == "registry")}
 
 
 def loop_settings(config: VideoTrainConfig, init_path: str, has_val: bool, run_id: str | None,
@@ -274,13 +283,14 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
     classes = class_names(manifest)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-    tags = _run_tags(config, manifest, starting_origin(config.init, tracking_uri))
-    identity = run_identity(config, manifest)
+    backbone = starting_origin(config.init, tracking_uri, config.endpoint_url)
+    tags = _run_tags(config, manifest, backbone)
+    identity = run_identity(config, manifest, backbone)
     # A finished run is handed back before the backbone's weights are downloaded.
     finished = finished_run_id(client, STAGE, config, identity)
     if finished:
         return _reused(client, config, finished, tags)
-    initial = build_initial_model(config, len(classes), tracking_uri)
+    initial = build_initial_model(config, len(classes), tracking_uri, backbone)
     if features:
         check_backbone(initial.model, manifest, config)
     connect(ray_address)

@@ -1,0 +1,104 @@
+"""`starting_origin` names starting weights that no MLflow run names by their files' content, unread by torch.
+
+A stage's identity holds that digest, so a checkpoint folder or a weights file replaced in place is never
+taken for the one a finished run started from, and the same bytes elsewhere still count as the same start.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import vit
+from pipelines.core.storage import S3Settings, open_store
+from pipelines.training.starting_weights import fetch_starting_weights, starting_origin
+
+TINY = dict(depth=1, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=4, image_size=16, num_classes=3)
+NO_TRACKING = "file:///nonexistent"  # never asked: these inits name no run
+
+
+def tiny(seed: int) -> vit.VisionTransformer:
+    torch.manual_seed(seed)
+    return vit.create_model("ViT-Ti/16", **TINY)
+
+
+def checkpoint(directory: Path, seed: int) -> str:
+    return str(vit.save_checkpoint(tiny(seed), directory))
+
+
+def test_a_local_checkpoint_replaced_in_place_gets_another_digest(tmp_path):
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    before = starting_origin(path, NO_TRACKING)
+    checkpoint(tmp_path / "ckpt", seed=1)
+    after = starting_origin(path, NO_TRACKING)
+    assert before.kind == after.kind == "checkpoint" and before.run_id is None
+    assert before.content and after.content and before.content != after.content
+
+
+def test_the_same_checkpoint_bytes_in_another_folder_get_the_same_digest(tmp_path):
+    path = checkpoint(tmp_path / "a", seed=0)
+    copy = shutil.copytree(path, tmp_path / "b")
+    assert starting_origin(path, NO_TRACKING).content == starting_origin(str(copy), NO_TRACKING).content
+
+
+def test_a_published_weights_file_is_named_by_its_bytes(tmp_path):
+    weights = tmp_path / "vit.pth"
+    torch.save(tiny(0).state_dict(), weights)
+    before = starting_origin(str(weights), NO_TRACKING)
+    torch.save(tiny(1).state_dict(), weights)
+    after = starting_origin(str(weights), NO_TRACKING)
+    assert before.kind == "foreign" and before.content != after.content
+
+
+def test_a_config_beside_published_weights_is_part_of_their_digest(tmp_path):
+    """The `config.json` beside the weights decides their token grid when they are loaded."""
+    torch.save(tiny(0).state_dict(), tmp_path / "vit.pth")
+    before = starting_origin(str(tmp_path / "vit.pth"), NO_TRACKING).content
+    (tmp_path / "config.json").write_text('{"image_size": 32, "patch_size": 8}')
+    assert starting_origin(str(tmp_path / "vit.pth"), NO_TRACKING).content != before
+
+
+def test_a_missing_weights_path_is_one_line_before_anything_is_loaded(tmp_path):
+    with pytest.raises(ValueError, match=r"^init .*nowhere\.pth: no such file or directory") as err:
+        starting_origin(str(tmp_path / "nowhere.pth"), NO_TRACKING)
+    assert "\n" not in str(err.value)
+
+
+def test_the_fetched_weights_carry_the_digest_their_origin_gave(tmp_path):
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    start = fetch_starting_weights(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING)
+    assert start.origin == starting_origin(path, NO_TRACKING) and start.source_run_id is None
+
+
+def _upload(store, directory: str) -> None:
+    for name in ("config.json", "model.safetensors"):
+        store.write(name, Path(directory, name).read_bytes())
+
+
+def test_an_s3_checkpoint_overwritten_in_place_gets_another_digest(tmp_path, s3_env, s3_bucket):
+    uri, endpoint = f"s3://{s3_bucket}/ckpt", s3_env.endpoint_url
+    store = open_store(uri, S3Settings(endpoint))
+    _upload(store, checkpoint(tmp_path / "a", seed=0))
+    before = starting_origin(uri, NO_TRACKING, endpoint)
+    assert starting_origin(uri, NO_TRACKING, endpoint) == before  # read from a listing: stable
+    _upload(store, checkpoint(tmp_path / "b", seed=1))
+    after = starting_origin(uri, NO_TRACKING, endpoint)
+    assert before.kind == "checkpoint" and before.content != after.content
+
+
+def test_an_s3_folder_without_weights_is_refused_before_they_are_fetched(tmp_path, s3_env, s3_bucket):
+    uri = f"s3://{s3_bucket}/half"
+    open_store(uri, S3Settings(s3_env.endpoint_url)).write("config.json", b"{}")
+    with pytest.raises(ValueError, match=r"^init s3://.*/half: not a vit checkpoint \(no model.safetensors\)$"):
+        starting_origin(uri, NO_TRACKING, s3_env.endpoint_url)
+
+
+def test_a_known_origin_is_used_as_given_and_not_worked_out_again(tmp_path):
+    """A stage that looked for a finished run already has the origin: the weights' files are digested once."""
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    origin = starting_origin(path, NO_TRACKING)
+    start = fetch_starting_weights(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING, origin=origin)
+    assert start.origin is origin
