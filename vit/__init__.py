@@ -17,7 +17,8 @@ from vit.registry import create_model, list_models, register_model
 from vit.resnet import ResNet, ResNetConfig
 from vit.surgery import at_resolution, freeze_backbone, weights_hash
 from vit.vtn import VTN, VTNConfig, create_vtn  # imported here so its presets register with `vit.registry`
-from vit.weights import load_checkpoint, load_pretrained, register_arch, save_checkpoint, weights_files
+from vit.weights import (checkpoint_config, load_checkpoint, load_pretrained, register_arch, save_checkpoint,
+                         weights_files)
 
 __all__ = [
     "VTN",
@@ -32,6 +33,7 @@ __all__ = [
     "ViTConfig",
     "VisionTransformer",
     "at_resolution",
+    "checkpoint_config",
     "create_model",
     "decode_variant",
     "freeze_backbone",

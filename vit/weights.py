@@ -293,6 +293,28 @@ def save_checkpoint(model: nn.Module, directory: str | Path) -> Path:
     return d
 
 
+def checkpoint_config(directory: str | Path) -> Any:
+    """The config a checkpoint's `config.json` describes (a `ViTConfig` for a ViT), read without its weights."""
+    return _arch_and_config(Path(directory))[1]
+
+
+def _arch_and_config(d: Path) -> tuple[str, Any]:
+    if not (d / CONFIG_FILE).is_file():
+        raise ValueError(f"{d} is not a checkpoint: expected {CONFIG_FILE}")
+    try:
+        meta = json.loads((d / CONFIG_FILE).read_text())
+        arch = meta.get("arch")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"checkpoint {d}: {CONFIG_FILE} is not a vit checkpoint config: {e}") from None
+    if arch not in ARCHS:
+        raise ValueError(f"checkpoint {d} has arch {arch!r}; registered archs are {sorted(ARCHS)}")
+    config_cls = ARCHS[arch][0]
+    try:
+        return arch, config_cls(**meta["config"])
+    except (TypeError, KeyError) as e:
+        raise ValueError(f"checkpoint {d}: config.json does not fit {config_cls.__name__}: {e}") from None
+
+
 def load_checkpoint(directory: str | Path, *, map_location: str | torch.device = "cpu") -> nn.Module:
     """Rebuild a model from `config.json` and load `model.safetensors` (strict), on `map_location`."""
     try:
@@ -303,16 +325,8 @@ def load_checkpoint(directory: str | Path, *, map_location: str | torch.device =
     d = Path(directory)
     if not (d / CONFIG_FILE).is_file() or not (d / WEIGHTS_FILE).is_file():
         raise ValueError(f"{d} is not a checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
-    meta = json.loads((d / CONFIG_FILE).read_text())
-    arch = meta.get("arch")
-    if arch not in ARCHS:
-        raise ValueError(f"checkpoint {d} has arch {arch!r}; registered archs are {sorted(ARCHS)}")
-    config_cls, model_cls = ARCHS[arch]
-    try:
-        config = config_cls(**meta["config"])
-    except TypeError as e:
-        raise ValueError(f"checkpoint {d}: config.json does not fit {config_cls.__name__}: {e}") from None
-    model = model_cls(config)
+    arch, config = _arch_and_config(d)
+    model = ARCHS[arch][1](config)
     model.load_state_dict(load_file(d / WEIGHTS_FILE, device="cpu"))
     return model.to(device)  # buffers too (a sincos table is not in the file)
 
@@ -320,6 +334,7 @@ def load_checkpoint(directory: str | Path, *, map_location: str | torch.device =
 __all__ = [
     "ARCHS",
     "LoadResult",
+    "checkpoint_config",
     "load_checkpoint",
     "load_pretrained",
     "read_state_dict",

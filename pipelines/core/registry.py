@@ -177,8 +177,10 @@ def crown_champion(client: Any, name: str, metric: str, mode: Literal["max", "mi
     return best
 
 
-def download_checkpoint(artifact_uri: str, dst: str | Path, tracking_uri: str | None) -> Path:
-    """Download a checkpoint folder's `config.json` and `model.safetensors` (nothing else) into `dst`.
+def download_checkpoint(artifact_uri: str, dst: str | Path, tracking_uri: str | None,
+                        files: tuple[str, ...] = CHECKPOINT_FILES) -> Path:
+    """Download a checkpoint folder's `config.json` and `model.safetensors` (nothing else; only `files` of
+    them when given: the config alone is a few hundred bytes) into `dst`.
 
     Raises a one-line ValueError naming the URI and the missing file.
     """
@@ -196,7 +198,7 @@ def download_checkpoint(artifact_uri: str, dst: str | Path, tracking_uri: str | 
     missing = [name for name in CHECKPOINT_FILES if name not in present]
     if missing:
         raise ValueError(f"{artifact_uri} is not a vit checkpoint directory (no {missing[0]})")
-    for name in CHECKPOINT_FILES:
+    for name in files:
         uri = f"{artifact_uri.rstrip('/')}/{name}"
         with tempfile.TemporaryDirectory() as tmp:
             try:

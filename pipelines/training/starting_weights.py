@@ -28,6 +28,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 import vit
@@ -189,12 +190,12 @@ def _not_found(err: Exception) -> bool:
     return getattr(err, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or "not found" in str(err).lower()
 
 
-def _load_files(local: Path, source: str) -> Any:
-    """`vit.load_checkpoint` of downloaded files, any failure (not safetensors, wrong config) as one line."""
+def _load_files(local: Path, source: str, read: Callable[[Path], Any] = vit.load_checkpoint) -> Any:
+    """`read` (`vit.load_checkpoint`) of downloaded files, any failure (not safetensors, wrong config) as one line."""
     try:
-        return vit.load_checkpoint(local)
+        return read(local)
     except Exception as err:  # safetensors' own error type, torch's RuntimeError on a wrong shape, ValueError
-        cause = " ".join(str(err).split())[:200] or type(err).__name__
+        cause = " ".join(str(err).replace(str(local), "").split())[:200] or type(err).__name__  # no temp path
         raise ValueError(f"init {source}: not a loadable vit checkpoint (config.json + model.safetensors): {cause}") from None
 
 
@@ -218,15 +219,13 @@ def _check_run(run_id: str, tracking_uri: str) -> None:
         raise
 
 
-def _from_run(init: str, tracking_uri: str) -> Any:
+def _run_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
     run_id, artifact = _run_and_artifact(init)
     uri = f"runs:/{run_id}/{artifact}"
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            local = download_checkpoint(uri, tmp, tracking_uri)
-        except ValueError as err:
-            raise ValueError(f"init: {err}") from None
-        return _load_files(local, uri)
+    try:
+        return download_checkpoint(uri, tmp, tracking_uri, files), uri
+    except ValueError as err:
+        raise ValueError(f"init: {err}") from None
 
 
 def _registered_version(client: Any, name_version: str) -> Any:
@@ -259,35 +258,51 @@ def _version(init: str, tracking_uri: str) -> tuple[Any, str]:
         raise
 
 
-def _from_registry(init: str, tracking_uri: str) -> Any:
-    """The registered version's `artifacts/checkpoint` files, read by vit; MLflow's loaders (and pickle) are not used."""
+def _registry_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
+    """The registered version's `artifacts/checkpoint` files; MLflow's loaders (and pickle) are not used."""
     version, root = _version(init, tracking_uri)
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            local = download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri)
-        except ValueError:
-            raise ValueError(
-                f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
-                "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
-            ) from None
-        return _load_files(local, init)
+    try:
+        return download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri, files), init
+    except ValueError:
+        raise ValueError(
+            f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
+            "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
+        ) from None
 
 
-def _from_storage(init: str, endpoint_url: str | None) -> Any:
+def _storage_files(init: str, tmp: str, endpoint_url: str | None, files: tuple[str, ...]) -> tuple[Path, str]:
     store = open_store(init, endpoint_url=endpoint_url)
     source = strip_userinfo(init)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in CHECKPOINT_FILES:
-            if not store.exists(name):
-                raise ValueError(f"init {source}: not a vit checkpoint (no {name})")
-            Path(tmp, name).write_bytes(store.read(name))
-        return _load_files(Path(tmp), source)
+    for name in CHECKPOINT_FILES:
+        if not store.exists(name):
+            raise ValueError(f"init {source}: not a vit checkpoint (no {name})")
+    for name in files:
+        Path(tmp, name).write_bytes(store.read(name))
+    return Path(tmp), source
 
 
-def _from_foreign(init: str, model_name: str | None, overrides: dict[str, Any]) -> Any:
-    path = _foreign_path(init)
+def _checkpoint_files(kind: Kind, init: str, tmp: str, tracking_uri: str, endpoint_url: str | None,
+                      files: tuple[str, ...] = CHECKPOINT_FILES) -> tuple[Path, str]:
+    """A run's, a registered version's or a checkpoint folder's `files`, downloaded into `tmp`, and the
+    name an error gives them."""
+    if kind == "run":
+        return _run_files(init, tmp, tracking_uri, files)
+    if kind == "registry":
+        return _registry_files(init, tmp, tracking_uri, files)
+    return _storage_files(init, tmp, endpoint_url, files)
+
+
+def _architecture(origin: Origin, model_name: str | None) -> str:
+    """The architecture a fresh model or published weights are built as: `model`, which they need."""
     if not model_name:
-        raise ValueError(f"init {init}: a timm/Hugging Face weights file needs `model` to name its architecture")
+        if origin.kind == "scratch":
+            raise ValueError("model: required when training from scratch (init is none)")
+        raise ValueError(f"init {origin.source}: a timm/Hugging Face weights file needs `model` to name its architecture")
+    return model_name
+
+
+def _from_foreign(init: str, model_name: str, overrides: dict[str, Any]) -> Any:
+    path = _foreign_path(init)
     model = vit.create_model(model_name, **overrides)
     try:
         vit.load_pretrained(model, path, skip_head=True)
@@ -323,25 +338,50 @@ def fetch_starting_weights(
     origin = origin or starting_origin(init, tracking_uri, endpoint_url)
     kind, source = origin.kind, origin.source
     if kind == "scratch":
-        if not model_name:
-            raise ValueError("model: required when training from scratch (init is none)")
         with torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG
             torch.manual_seed(seed)
-            model = vit.create_model(model_name, **model_overrides)
-    elif kind == "run":
-        model = _from_run(str(init), tracking_uri)
-    elif kind == "registry":
-        model = _from_registry(str(init), tracking_uri)
-    elif kind == "checkpoint":
-        model = _from_storage(str(init), endpoint_url)
+            model = vit.create_model(_architecture(origin, model_name), **model_overrides)
+    elif kind == "foreign":
+        model = _from_foreign(str(init), _architecture(origin, model_name), model_overrides)
     else:
-        model = _from_foreign(str(init), model_name, model_overrides)
-    if not isinstance(model, vit.VisionTransformer):
-        raise ValueError(f"init {source}: holds a {type(model).__name__}, not a ViT")
+        with tempfile.TemporaryDirectory() as tmp:
+            model = _load_files(*_checkpoint_files(kind, str(init), tmp, tracking_uri, endpoint_url))
+    _check_vit(type(model).__name__, isinstance(model, vit.VisionTransformer), source)
     if model_name and kind in ("run", "registry", "checkpoint"):
         check_architecture(model, model_name, model_overrides, source)
     return StartingWeights(origin, model)
 
 
+def starting_config(
+    init: str | None,
+    *,
+    model_name: str | None,
+    model_overrides: dict[str, Any],
+    tracking_uri: str,
+    endpoint_url: str | None = None,
+    origin: Origin | None = None,
+) -> Any:
+    """The `vit.ViTConfig` of the model `fetch_starting_weights` would load, read without its weights: a
+    checkpoint's `config.json` (a few hundred bytes), or the architecture `model_name` and the overrides name
+    (built on the meta device: no memory, no random draw)."""
+    import torch
+
+    origin = origin or starting_origin(init, tracking_uri, endpoint_url)
+    if origin.kind in ("scratch", "foreign"):
+        with torch.device("meta"):
+            config = vit.create_model(_architecture(origin, model_name), **model_overrides).config
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = _load_files(*_checkpoint_files(origin.kind, str(init), tmp, tracking_uri, endpoint_url,
+                                                    ("config.json",)), read=vit.checkpoint_config)
+    _check_vit(type(config).__name__.removesuffix("Config"), isinstance(config, vit.ViTConfig), origin.source)
+    return config
+
+
+def _check_vit(what: str, is_vit: bool, source: str) -> None:
+    if not is_vit:
+        raise ValueError(f"init {source}: holds a {what}, not a ViT")
+
+
 __all__ = ["ARCH_FIELDS", "Origin", "StartingWeights", "check_architecture", "fetch_starting_weights", "init_kind",
-           "origin_identity", "starting_origin"]
+           "origin_identity", "starting_config", "starting_origin"]

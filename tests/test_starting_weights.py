@@ -1,7 +1,9 @@
-"""`starting_origin` names starting weights that no MLflow run names by their files' content, unread by torch.
+"""What a stage knows of its starting weights before it loads them: their origin and their config.
 
-A stage's identity holds that digest, so a checkpoint folder or a weights file replaced in place is never
-taken for the one a finished run started from, and the same bytes elsewhere still count as the same start.
+`starting_origin` names weights that no MLflow run names by their files' content, unread by torch. A stage's
+identity holds that digest, so a checkpoint folder or a weights file replaced in place is never taken for the
+one a finished run started from, and the same bytes elsewhere still count as the same start.
+`starting_config` reads a checkpoint's config.json alone, so a finished run is found without the weights.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 import vit
 from pipelines.core.storage import S3Settings, open_store
-from pipelines.training.starting_weights import fetch_starting_weights, starting_origin
+from pipelines.training.starting_weights import fetch_starting_weights, starting_config, starting_origin
 
 TINY = dict(depth=1, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=4, image_size=16, num_classes=3)
 NO_TRACKING = "file:///nonexistent"  # never asked: these inits name no run
@@ -102,3 +104,22 @@ def test_a_known_origin_is_used_as_given_and_not_worked_out_again(tmp_path):
     origin = starting_origin(path, NO_TRACKING)
     start = fetch_starting_weights(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING, origin=origin)
     assert start.origin is origin
+
+
+
+def test_a_checkpoints_config_is_read_without_its_weights(tmp_path):
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    Path(path, "model.safetensors").write_bytes(b"not weights")  # any read of the weights would fail
+    config = starting_config(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING)
+    assert config == tiny(0).config
+
+
+def test_a_fresh_models_config_is_that_of_the_named_architecture():
+    config = starting_config(None, model_name="ViT-Ti/16", model_overrides=TINY, tracking_uri=NO_TRACKING)
+    assert config == vit.create_model("ViT-Ti/16", **TINY).config
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_from_its_config(tmp_path):
+    path = str(vit.save_checkpoint(vit.create_model("ResNet-50", num_classes=3), tmp_path / "resnet"))
+    with pytest.raises(ValueError, match=r"^init .*resnet: holds a ResNet, not a ViT$"):
+        starting_config(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING)
