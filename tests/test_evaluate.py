@@ -13,6 +13,7 @@ from pipelines.core.shards import read_manifest
 from pipelines.image.evaluate import (EvaluateConfig, few_shot_accuracy, few_shot_table, load_config, ridge_fit,
                                       run_evaluate, sample_support)
 from pipelines.image.labeled_rows import DataSpec
+from tests.fault_proxy import FaultProxy
 
 
 def blobs(n_per_class: int, classes: int, dim: int, seed: int, spread: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +142,17 @@ def test_the_same_evaluation_again_returns_the_finished_run_without_computing_it
     again = run_evaluate(config)
     assert again.reused
     assert (again.run_id, again.accuracy) == (result.run_id, result.accuracy)
+
+
+@pytest.mark.slow
+def test_a_finished_evaluation_is_handed_back_without_downloading_its_weights(evaluated):
+    config, result = evaluated
+    # Over this link every read of the weights is refused: the reused run reads only their config.json.
+    with FaultProxy(config.tracking_uri, timeout=60) as link:
+        link.fail("model.safetensors", "denied", times=None)
+        again = run_evaluate(config.model_copy(update={"tracking_uri": link.url}))
+    assert again.reused and again.run_id == result.run_id
+    assert link.injected["model.safetensors", "denied"] == 0
 
 
 @pytest.mark.slow

@@ -28,11 +28,11 @@ from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
-from pipelines.core.stage_run import stage_run
+from pipelines.core.stage_run import finished_run_id, stage_run
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.labeled_rows import DataSpec, decode_batch, iter_rows
-from pipelines.image.frozen_model import load_frozen_model
+from pipelines.image.frozen_model import frozen_origin, load_frozen_model
 from pipelines.training.starting_weights import Origin, origin_identity
 from pipelines.core.shards import class_labels, class_names
 
@@ -264,8 +264,13 @@ def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-    start, size = load_frozen_model(config, manifest, tracking_uri)
-    identity = run_identity(config, manifest, start.origin, size)
+    origin, size = frozen_origin(config, manifest, tracking_uri)
+    identity = run_identity(config, manifest, origin, size)
+    # A finished evaluation is handed back before the weights are downloaded: only their config was read.
+    finished = finished_run_id(client, STAGE, config, identity)
+    if finished:
+        return _result_from_run(client, finished, reused=True)
+    start, size = load_frozen_model(config, manifest, tracking_uri, origin)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data), "vitpipe.manifest_hash": str(manifest.get("content_hash", "")),
         "vitpipe.init": start.source, **({"vitpipe.pretrain_run_id": start.source_run_id} if start.source_run_id else {}),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pipelines.training.starting_weights import StartingWeights, fetch_starting_weights, init_kind
+from pipelines.training.starting_weights import (Origin, StartingWeights, fetch_starting_weights, init_kind,
+                                                 starting_config, starting_origin)
 
 
 class FrozenModelFields(Protocol):
@@ -22,23 +23,41 @@ class FrozenModelFields(Protocol):
     endpoint_url: str | None
 
 
-def load_frozen_model(config: FrozenModelFields, manifest: dict[str, Any],
-                      tracking_uri: str) -> tuple[StartingWeights, int]:
-    """The weights `config.init` names (`fetch_starting_weights`' result) and the resolution they read
-    `config.data` at; a one-line ValueError when the model cannot read the data's patches."""
+def frozen_origin(config: FrozenModelFields, manifest: dict[str, Any], tracking_uri: str) -> tuple[Origin, int]:
+    """What names the weights `config.init` names, and the resolution they read `config.data` at, known from
+    metadata and the checkpoint's `config.json` alone: enough to find a finished run before any weights are
+    downloaded. The same one-line ValueErrors as `load_frozen_model`."""
+    origin = starting_origin(config.init, tracking_uri, config.endpoint_url)
+    model_config = starting_config(config.init, model_name=config.model, model_overrides=_overrides(config, manifest),
+                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, origin=origin)
+    return origin, _resolution(config, manifest, model_config)
+
+
+def load_frozen_model(config: FrozenModelFields, manifest: dict[str, Any], tracking_uri: str,
+                      origin: Origin | None = None) -> tuple[StartingWeights, int]:
+    """The weights `config.init` names (`fetch_starting_weights`' result; `origin`: `frozen_origin`'s, when
+    known) and the resolution they read `config.data` at; a one-line ValueError when the model cannot read
+    the data's patches."""
+    start = fetch_starting_weights(config.init, model_name=config.model, model_overrides=_overrides(config, manifest),
+                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, origin=origin)
+    return start, _resolution(config, manifest, start.model.config)
+
+
+def _overrides(config: FrozenModelFields, manifest: dict[str, Any]) -> dict[str, Any]:
     overrides = dict(config.model_overrides)
-    if init_kind(config.init) in ("scratch", "foreign"):
+    if init_kind(config.init) in ("scratch", "foreign"):  # a model built here reads the data's image size
         overrides.setdefault("image_size", manifest["image_size"])
-    start = fetch_starting_weights(config.init, model_name=config.model, model_overrides=overrides,
-                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url)
-    base = start.model
-    if base.config.pixel_patch_size != manifest["patch_size"] or base.config.patch_dim != manifest["patch_dim"]:
-        raise ValueError(f"model reads {base.config.pixel_patch_size}-pixel patches, but {config.data} holds "
+    return overrides
+
+
+def _resolution(config: FrozenModelFields, manifest: dict[str, Any], model_config: Any) -> int:
+    if model_config.pixel_patch_size != manifest["patch_size"] or model_config.patch_dim != manifest["patch_dim"]:
+        raise ValueError(f"model reads {model_config.pixel_patch_size}-pixel patches, but {config.data} holds "
                          f"{manifest['patch_size']}-pixel patches")
-    size = config.resolution or base.config.image_hw[0]
+    size = config.resolution or model_config.image_hw[0]
     if size % manifest["patch_size"]:
         raise ValueError(f"resolution {size} is not a multiple of the patch size {manifest['patch_size']}")
-    return start, size
+    return size
 
 
-__all__ = ["FrozenModelFields", "load_frozen_model"]
+__all__ = ["FrozenModelFields", "frozen_origin", "load_frozen_model"]
