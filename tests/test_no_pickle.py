@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 import vit
 from pipelines.core import registry, run_open, tracking
 from pipelines.demo import demo_spec
-from pipelines.training.starting_weights import fetch_starting_weights
+from pipelines.training.starting_weights import fetch_starting_weights, starting_origin
 
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin")
 
@@ -140,6 +140,27 @@ def test_the_champion_alias_marks_the_best_scoring_version(client, tmp_path):
     assert (champion.version, champion.run_id) == ("2", runs[1])
     assert champion.tags["vitpipe.manifest_hash"] == "abc" and champion.tags["vitpipe.score"] == "0.9"
     assert _fetch(f"models:/{name}@champion", client).source_run_id == runs[1]
+
+
+def test_an_alias_moved_after_the_origin_was_looked_up_still_fetches_the_version_it_named(client, tmp_path):
+    """The stage's identity holds the run the alias named: the weights it trains from are that run's."""
+    name = f"moved-{uuid.uuid4().hex[:8]}"
+    models, versions = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(_model())
+        run_id = _new_run(client)
+        vit.save_checkpoint(models[-1], tmp_path / run_id)
+        uri = registry.log_vit_model(client, run_id, tmp_path / run_id)
+        versions.append(registry.register(client, name, uri, run_id, {}, run_tag="vitpipe.test_run",
+                                          score=registry.Score("m", float(seed))))
+    client.set_registered_model_alias(name, "pick", versions[0])
+    origin = starting_origin(f"models:/{name}@pick", client.tracking_uri)
+    client.set_registered_model_alias(name, "pick", versions[1])
+    start = fetch_starting_weights(f"models:/{name}@pick", model_name=None, model_overrides={},
+                                   tracking_uri=client.tracking_uri, origin=origin)
+    assert start.source_run_id == origin.run_id and origin.version == f"{name}/{versions[0]}"
+    _same_weights(start.model, models[0])
 
 
 def test_registering_the_same_run_again_adds_no_version(client, tmp_path):

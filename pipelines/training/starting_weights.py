@@ -54,6 +54,7 @@ class Origin:
     source: str  # the `init` as given (userinfo stripped), "none" for scratch
     run_id: str | None  # the MLflow run that produced the weights, when known
     content: str | None = None  # a digest of the weights' files, where no MLflow run names them
+    version: str | None = None  # "name/N": the registered version an alias or `latest` named when looked up
 
 
 def starting_origin(init: str | None, tracking_uri: str, endpoint_url: str | None = None) -> Origin:
@@ -62,17 +63,18 @@ def starting_origin(init: str | None, tracking_uri: str, endpoint_url: str | Non
     a stage's identity needs, so that a finished run is found before any checkpoint is fetched, and a folder
     or alias that now holds other weights is never taken for the one a finished run started from."""
     kind = init_kind(init)
-    run_id = content = None
+    run_id = content = version = None
     if kind == "run":
         run_id = _run_and_artifact(str(init))[0]
         _check_run(run_id, tracking_uri)
     elif kind == "registry":
-        run_id = _version(str(init), tracking_uri)[0].run_id
+        found = _version(str(init), tracking_uri)[0]
+        run_id, version = found.run_id, f"{found.name}/{found.version}"
     elif kind == "checkpoint":
         content = _checkpoint_digest(str(init), endpoint_url)
     elif kind == "foreign":
         content = _foreign_digest(str(init))
-    return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id, content)
+    return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id, content, version)
 
 
 def origin_identity(origin: Origin) -> dict[str, str | None]:
@@ -281,14 +283,15 @@ def _storage_files(init: str, tmp: str, endpoint_url: str | None, files: tuple[s
     return Path(tmp), source
 
 
-def _checkpoint_files(kind: Kind, init: str, tmp: str, tracking_uri: str, endpoint_url: str | None,
+def _checkpoint_files(origin: Origin, init: str, tmp: str, tracking_uri: str, endpoint_url: str | None,
                       files: tuple[str, ...] = CHECKPOINT_FILES) -> tuple[Path, str]:
     """A run's, a registered version's or a checkpoint folder's `files`, downloaded into `tmp`, and the
-    name an error gives them."""
-    if kind == "run":
+    name an error gives them. A registered version is the one `origin` found, though its alias moved since:
+    the weights are those of the run the stage's identity names."""
+    if origin.kind == "run":
         return _run_files(init, tmp, tracking_uri, files)
-    if kind == "registry":
-        return _registry_files(init, tmp, tracking_uri, files)
+    if origin.kind == "registry":
+        return _registry_files(f"models:/{origin.version}" if origin.version else init, tmp, tracking_uri, files)
     return _storage_files(init, tmp, endpoint_url, files)
 
 
@@ -345,7 +348,7 @@ def fetch_starting_weights(
         model = _from_foreign(str(init), _architecture(origin, model_name), model_overrides)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            model = _load_files(*_checkpoint_files(kind, str(init), tmp, tracking_uri, endpoint_url))
+            model = _load_files(*_checkpoint_files(origin, str(init), tmp, tracking_uri, endpoint_url))
     _check_vit(type(model).__name__, isinstance(model, vit.VisionTransformer), source)
     if model_name and kind in ("run", "registry", "checkpoint"):
         check_architecture(model, model_name, model_overrides, source)
@@ -372,7 +375,7 @@ def starting_config(
             config = vit.create_model(_architecture(origin, model_name), **model_overrides).config
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            config = _load_files(*_checkpoint_files(origin.kind, str(init), tmp, tracking_uri, endpoint_url,
+            config = _load_files(*_checkpoint_files(origin, str(init), tmp, tracking_uri, endpoint_url,
                                                     ("config.json",)), read=vit.checkpoint_config)
     _check_vit(type(config).__name__.removesuffix("Config"), isinstance(config, vit.ViTConfig), origin.source)
     return config
