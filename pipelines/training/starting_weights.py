@@ -1,6 +1,6 @@
 """Where a transfer stage's starting weights come from.
 
-`init` in a fine-tune or evaluate config names one of:
+`init` in a fine-tune, evaluate, embed or video config names one of:
 
 * nothing (`None` / "none"): a fresh model of `model` (from-scratch baseline);
 * an MLflow run: `runs:/<run_id>/<artifact path>` or a bare run id, meaning its
@@ -12,11 +12,16 @@
 * a published timm or Hugging Face ViT weights file or directory on local disk,
   read through `vit.load_pretrained` into the architecture `model` names.
 
-`fetch_starting_weights` turns any of them into an in-memory ViT and records
-which MLflow run produced it (the lineage the registry tags point back to).
-From a run, a registered version or a checkpoint directory it reads exactly two
-files, `config.json` and `model.safetensors` (`vit.load_checkpoint`): nothing
-found there is unpickled or run, whatever else the folder holds.
+Three steps, each reading no more than it needs:
+
+* `starting_origin`: what names the weights, from metadata alone — the MLflow run
+  behind a run or registered version (the version an alias named, pinned), or a
+  digest of a folder's or file's bytes (ETags on S3). A stage's identity holds it.
+* `starting_config`: the model's config, from a checkpoint's `config.json` alone.
+* `fetch_starting_weights`: the in-memory ViT. From a run, a registered version or
+  a checkpoint directory it reads exactly two files, `config.json` and
+  `model.safetensors` (`vit.load_checkpoint`): nothing found there is unpickled
+  or run, whatever else the folder holds.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class StartingWeights:
 
     @property
     def kind(self) -> Kind:
+        """What `init` named (`init_kind`)."""
         return self.origin.kind
 
     @property
