@@ -9,6 +9,7 @@ pickle is ignored, or loading fails in one line. Against the session's real
 
 from __future__ import annotations
 
+import logging
 import pickle
 import uuid
 import warnings
@@ -124,6 +125,22 @@ def test_logging_and_serving_a_model_raise_no_warning_about_predicts_type_hints(
         served.predict(np.zeros((1, 16, 48), np.float32))
     assert not [w for w in caught if "type hint" in str(w.message).lower()], [str(w.message) for w in caught]
     assert served.metadata.signature is None  # the model takes patches or frames of any shape
+
+
+def test_logging_a_model_logs_no_warning_that_its_signature_cannot_be_inferred(client, tmp_path):
+    """The model has no signature on purpose; MLflow's warning about it told users nothing."""
+    run_id = _new_run(client)
+    vit.save_checkpoint(_model(), tmp_path / "ckpt")
+    records: list[logging.LogRecord] = []
+    seen = logging.Handler(logging.WARNING)
+    seen.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("mlflow.pyfunc")
+    logger.addHandler(seen)
+    try:
+        registry.log_vit_model(client, run_id, tmp_path / "ckpt")
+    finally:
+        logger.removeHandler(seen)
+    assert not [r for r in records if "signature" in r.getMessage()], [r.getMessage() for r in records]
 
 
 def test_the_champion_alias_marks_the_best_scoring_version(client, tmp_path):

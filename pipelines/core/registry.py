@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -65,6 +68,23 @@ def _stage_model_files(checkpoint_dir: Path, tmp: Path) -> tuple[Path, Path]:
     return weights, code
 
 
+class _DropSignatureWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to infer model signature: Type hint")
+
+
+@contextmanager
+def _no_signature_warning() -> Iterator[None]:
+    """Without MLflow's "Failed to infer model signature" warning: the model has no signature on purpose (its
+    input's shape follows the checkpoint), so the warning, printed on every logged model, told users nothing."""
+    logger, dropped = logging.getLogger("mlflow.pyfunc"), _DropSignatureWarning()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
 def log_vit_model(client: Any, run_id: str, checkpoint_dir: str | Path, name: str = "model") -> str:
     """Log a `vit.save_checkpoint` folder as the run's MLflow model (pyfunc, no pickle); returns its model URI."""
     import mlflow
@@ -76,10 +96,11 @@ def log_vit_model(client: Any, run_id: str, checkpoint_dir: str | Path, name: st
     with tempfile.TemporaryDirectory() as tmp:
         weights, code = _stage_model_files(Path(checkpoint_dir), Path(tmp))
         local = Path(tmp, name)
-        mlflow.pyfunc.save_model(
-            local, python_model=str(_MODEL_CODE), artifacts={"checkpoint": str(weights)}, code_paths=[str(code)],
-            pip_requirements=_requirements(), mlflow_model=Model(run_id=run_id, model_id=logged.model_id),
-        )
+        with _no_signature_warning():
+            mlflow.pyfunc.save_model(
+                local, python_model=str(_MODEL_CODE), artifacts={"checkpoint": str(weights)}, code_paths=[str(code)],
+                pip_requirements=_requirements(), mlflow_model=Model(run_id=run_id, model_id=logged.model_id),
+            )
         client.log_model_artifacts(logged.model_id, str(local))
     client.finalize_logged_model(logged.model_id, "READY")
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, 0)])
