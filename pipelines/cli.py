@@ -16,7 +16,7 @@ import typer
 from pipelines import __version__, cli_jobs, jobs
 from pipelines.cli_errors import ErrorReportingGroup, fail
 from pipelines.core.cluster import connect
-from pipelines.core.logfile import console_handler
+from pipelines.core.logfile import console_handler, quiet_artifact_bars
 from pipelines.core.stage_config import load_stage_config, parse_overrides
 from pipelines.core.uris import strip_userinfo
 from pipelines.stages import STAGES
@@ -52,6 +52,7 @@ def _print_version(value: bool) -> None:
 def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                       help="Print vitpipe's version and exit.")) -> None:
     """Distributed ViT pretraining and transfer."""
+    quiet_artifact_bars()
 
 
 def _init_ray(address: Optional[str]) -> None:

@@ -7,6 +7,7 @@ session's Ray cluster and `mlflow server`: its console is the CLI's output.
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipelines.core import tracking
+from pipelines.core.logfile import ARTIFACT_BARS_ENV, quiet_artifact_bars
+from pipelines.core.registry import TAG_MODEL_URI
 from pipelines.image.attention_map import ATTENTION_FIGURE
 from pipelines.training.worker import Progress
 
@@ -69,6 +72,35 @@ def test_training_reads_draw_no_ray_data_progress_bars_over_the_step_lines(pretr
     console = done.stdout + done.stderr
     assert "Starting execution of Dataset train_" in console  # the training read did run through Ray Data
     assert "Running Dataset: train_" not in console and "split(1, equal=True):" not in console
+
+
+def test_a_console_that_is_no_terminal_gets_no_mlflow_artifact_bars(pretrain_run, mlflow_server):
+    done, run_id = pretrain_run
+    assert MlflowClient(mlflow_server).get_run(run_id).data.tags[TAG_MODEL_URI]  # a model's files were copied
+    assert "Downloading artifacts" not in done.stdout + done.stderr, done.stderr[-3000:]
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_mlflows_artifact_bars_are_off_without_a_terminal_and_kept_at_one():
+    piped: dict[str, str] = {}
+    quiet_artifact_bars(_Stream(tty=False), piped)
+    terminal: dict[str, str] = {}
+    quiet_artifact_bars(_Stream(tty=True), terminal)
+    assert piped == {ARTIFACT_BARS_ENV: "false"} and terminal == {}
+
+
+def test_a_users_own_artifact_bar_setting_is_kept():
+    chosen = {ARTIFACT_BARS_ENV: "true"}
+    quiet_artifact_bars(_Stream(tty=False), chosen)
+    assert chosen == {ARTIFACT_BARS_ENV: "true"}
 
 
 def test_pretraining_logs_system_metrics_into_its_run(pretrain_run, mlflow_server):

@@ -13,9 +13,12 @@ import os
 import re
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import TextIO
 
 LOG_DIR_ENV = "VITPIPE_LOG_DIR"
+ARTIFACT_BARS_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # `user:password@` after any `scheme://`, wherever it sits in an argument (`--set tracking_uri=...`).
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
@@ -42,6 +45,14 @@ def redact_argv(argv: list[str]) -> list[str]:
 def log_dir() -> Path:
     """Where command logs go: `$VITPIPE_LOG_DIR`, else `~/.vitpipe/logs`."""
     return Path(os.environ.get(LOG_DIR_ENV) or Path.home() / ".vitpipe" / "logs")
+
+
+def quiet_artifact_bars(stream: TextIO | None = None, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Turn MLflow's artifact progress bars off where no one watches them: stderr (`stream`) is no terminal but
+    a job's log, a file or a pipe, where every redraw became more text (even copying a model's two local files
+    drew one). A user's own `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR` is kept."""
+    if not (stream or sys.stderr).isatty():
+        environ.setdefault(ARTIFACT_BARS_ENV, "false")
 
 
 def console_handler() -> logging.Handler:
