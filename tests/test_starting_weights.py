@@ -123,3 +123,33 @@ def test_a_checkpoint_of_another_architecture_is_refused_from_its_config(tmp_pat
     path = str(vit.save_checkpoint(vit.create_model("ResNet-50", num_classes=3), tmp_path / "resnet"))
     with pytest.raises(ValueError, match=r"^init .*resnet: holds a ResNet, not a ViT$"):
         starting_config(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING)
+
+
+def test_a_checkpoint_replaced_after_its_origin_was_taken_is_refused_when_fetched(tmp_path):
+    """Its run's identity would name the old bytes while it trained from the new ones."""
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    origin = starting_origin(path, NO_TRACKING)
+    checkpoint(tmp_path / "ckpt", seed=1)
+    with pytest.raises(ValueError, match=r"^init .*ckpt: its files changed while they were read; run again$"):
+        fetch_starting_weights(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING, origin=origin)
+
+
+def test_published_weights_replaced_after_their_origin_was_taken_are_refused_when_fetched(tmp_path):
+    weights = tmp_path / "vit.pth"
+    torch.save(tiny(0).state_dict(), weights)
+    origin = starting_origin(str(weights), NO_TRACKING)
+    torch.save(tiny(1).state_dict(), weights)
+    with pytest.raises(ValueError, match=r"changed while they were read"):
+        fetch_starting_weights(str(weights), model_name="ViT-Ti/16", model_overrides=TINY, tracking_uri=NO_TRACKING,
+                               origin=origin)
+
+
+def test_an_s3_checkpoint_overwritten_after_its_origin_was_taken_is_refused_when_fetched(tmp_path, s3_env, s3_bucket):
+    uri, endpoint = f"s3://{s3_bucket}/ckpt", s3_env.endpoint_url
+    store = open_store(uri, S3Settings(endpoint))
+    _upload(store, checkpoint(tmp_path / "a", seed=0))
+    origin = starting_origin(uri, NO_TRACKING, endpoint)
+    _upload(store, checkpoint(tmp_path / "b", seed=1))
+    with pytest.raises(ValueError, match=r"changed while they were read"):
+        fetch_starting_weights(uri, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING,
+                               endpoint_url=endpoint, origin=origin)

@@ -26,7 +26,6 @@ Three steps, each reading no more than it needs:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import re
@@ -40,6 +39,7 @@ import vit
 from pipelines.core.registry import CHECKPOINT_FILES, MODEL_CHECKPOINT, download_checkpoint
 from pipelines.core.storage import open_store
 from pipelines.core.uris import is_s3_uri, strip_userinfo
+from pipelines.training.weights_digest import check_unchanged, content_digest, foreign_path
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"
@@ -68,17 +68,14 @@ def starting_origin(init: str | None, tracking_uri: str, endpoint_url: str | Non
     a stage's identity needs, so that a finished run is found before any checkpoint is fetched, and a folder
     or alias that now holds other weights is never taken for the one a finished run started from."""
     kind = init_kind(init)
-    run_id = content = version = None
+    run_id = version = None
     if kind == "run":
         run_id = _run_and_artifact(str(init))[0]
         _check_run(run_id, tracking_uri)
     elif kind == "registry":
         found = _version(str(init), tracking_uri)[0]
         run_id, version = found.run_id, f"{found.name}/{found.version}"
-    elif kind == "checkpoint":
-        content = _checkpoint_digest(str(init), endpoint_url)
-    elif kind == "foreign":
-        content = _foreign_digest(str(init))
+    content = content_digest(kind, str(init), endpoint_url)
     return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id, content, version)
 
 
@@ -133,49 +130,6 @@ def _is_project_checkpoint(directory: Path) -> bool:
         return "arch" in json.loads(config.read_text())
     except ValueError:
         return False
-
-
-def _files_digest(files: list[Path]) -> str:
-    """sha256 over each file's name and bytes."""
-    outer = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            outer.update(f"{f.name}\0{hashlib.file_digest(fh, 'sha256').hexdigest()}\n".encode())
-    return "sha256:" + outer.hexdigest()
-
-
-def _checkpoint_digest(init: str, endpoint_url: str | None) -> str:
-    """A digest of a project checkpoint's files: their bytes on a local disk, their sizes and ETags (S3's
-    own content hashes, read from one listing) in a bucket."""
-    source = strip_userinfo(init)
-    if not is_s3_uri(init):
-        return _files_digest([Path(init.removeprefix("file://"), name) for name in CHECKPOINT_FILES])
-    listed: dict[str, tuple[int, str]] = {}
-    for page in open_store(init, endpoint_url=endpoint_url).list_entries():
-        listed.update({key: (size, version) for key, size, version in page if key in CHECKPOINT_FILES})
-        if len(listed) == len(CHECKPOINT_FILES):
-            break
-    missing = [name for name in CHECKPOINT_FILES if name not in listed]
-    if missing:
-        raise ValueError(f"init {source}: not a vit checkpoint (no {missing[0]})")
-    text = "".join(f"{name}\0{listed[name][0]}\0{listed[name][1]}\n" for name in CHECKPOINT_FILES)
-    return "s3-etags:" + hashlib.sha256(text.encode()).hexdigest()
-
-
-def _foreign_path(init: str) -> Path:
-    path = Path(init.removeprefix("file://"))
-    if not path.exists():
-        raise ValueError(f"init {init}: no such file or directory (and not a run id, runs:/ or models:/ URI)")
-    return path
-
-
-def _foreign_digest(init: str) -> str:
-    try:
-        return _files_digest(vit.weights_files(_foreign_path(init)))
-    except OSError as err:
-        raise ValueError(f"init {init}: cannot read the weights: {err.strerror or err}") from None
-    except ValueError as err:
-        raise ValueError(err if str(err).startswith("init ") else f"init {init}: {err}") from None
 
 
 def check_architecture(model: Any, model_name: str, overrides: dict[str, Any], source: str) -> None:
@@ -311,7 +265,7 @@ def _architecture(origin: Origin, model_name: str | None) -> str:
 
 
 def _from_foreign(init: str, model_name: str, overrides: dict[str, Any]) -> Any:
-    path = _foreign_path(init)
+    path = foreign_path(init)
     model = vit.create_model(model_name, **overrides)
     try:
         vit.load_pretrained(model, path, skip_head=True)
@@ -340,7 +294,8 @@ def fetch_starting_weights(
     files; for the other sources they are optional and, when given, must match
     the checkpoint's architecture (a one-line ValueError names the fields).
     A from-scratch model's random weights are drawn from `seed`. `origin`: `starting_origin`'s answer for
-    this `init`, when the caller already has it (runs are not looked up nor files digested again).
+    this `init`, when the caller already has it (runs are not looked up again). Files named by their digest
+    are digested once more once read: replaced meanwhile, they are refused in one line.
     """
     import torch
 
@@ -355,6 +310,7 @@ def fetch_starting_weights(
     else:
         with tempfile.TemporaryDirectory() as tmp:
             model = _load_files(*_checkpoint_files(origin, str(init), tmp, tracking_uri, endpoint_url))
+    check_unchanged(kind, str(init), endpoint_url, origin.content)
     _check_vit(type(model).__name__, isinstance(model, vit.VisionTransformer), source)
     if model_name and kind in ("run", "registry", "checkpoint"):
         check_architecture(model, model_name, model_overrides, source)
