@@ -212,6 +212,18 @@ def test_rerunning_a_finished_config_trains_nothing_and_keeps_one_run(trained, s
     assert len(client.search_runs([experiment.experiment_id])) == 1
 
 
+def test_a_finished_run_is_handed_back_without_starting_or_joining_ray(trained, s3_server, monkeypatch):
+    def tripwire(*args, **kwargs):
+        raise AssertionError("Ray was started or joined for a finished run")
+
+    monkeypatch.setattr("pipelines.image.pretrain.connect", tripwire)
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    config, result, _ = trained
+    again = run_pretrain(config, ray_address="127.0.0.1:1")  # nothing listens there
+    assert again.reused and again.run_id == result.run_id
+
+
 # ---------------------------------------------------------------- data parallelism
 
 

@@ -32,7 +32,7 @@ from pipelines.core.registry import TAG_MODEL_URI
 from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
-from pipelines.core.stage_run import stage_run
+from pipelines.core.stage_run import finished_run_id, stage_run
 from pipelines.image.attention_map import log_attention_picture
 from pipelines.image.data import patch_dataset
 from pipelines.image.mae_hooks import MAEHooks, MAEOptions
@@ -279,7 +279,11 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     has_val = config.objective == "supervised" and int(manifest.get("counts", {}).get("val", 0)) > 0
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
-
+    identity = run_identity(config, manifest)
+    # A finished run is handed back before Ray is started or joined: nothing of it is needed.
+    finished = finished_run_id(client, STAGE, config, identity)
+    if finished:
+        return _result_from_run(client, finished, reused=True)
     connect(ray_address)
     tags = {
         "vitpipe.data_uri": strip_userinfo(config.data),
@@ -287,8 +291,8 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
         **({"vitpipe.ingest_run_id": config.ingest_run_id} if config.ingest_run_id else {}),
         **tracking.system_info(config.num_workers, config.use_gpu),
     }
-    with stage_run(client, STAGE, config, run_identity(config, manifest), tags=tags) as run:
-        if run.finished:
+    with stage_run(client, STAGE, config, identity, tags=tags) as run:
+        if run.finished:  # finished by another vitpipe since the look above
             return _result_from_run(client, run.run_id, reused=True)
         settings = loop_settings(config, overrides, has_val, run.run_id, tracking_uri,
                                  train_rows=int(manifest.get("counts", {}).get("train", 0)) or None)
