@@ -44,7 +44,7 @@ from pipelines.training.recipe import (
     RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, pinned_identity, shared_fields,
 )
 from pipelines.training.starting_weights import (ARCH_FIELDS, Origin, StartingWeights, fetch_starting_weights,
-                                                 init_kind, origin_identity, starting_origin)
+                                                 built_at, origin_identity, starting_origin)
 from pipelines.training.trainer import stage_init, storage_location
 
 logger = logging.getLogger(__name__)
@@ -312,14 +312,13 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
 
 
 def starting_weights(config: FinetuneConfig, manifest: dict[str, Any], tracking_uri: str,
-                     origin: Origin | None = None) -> StartingWeights:
-    """The model the sweep starts from (see `pipelines.training.starting_weights`; `origin`: its origin when
-    already known); one built here starts at the data's image size."""
-    overrides = dict(config.model_overrides)
-    if init_kind(config.init) in ("scratch", "foreign"):
-        overrides.setdefault("image_size", manifest["image_size"])
+                     origin: Origin) -> StartingWeights:
+    """The model the sweep starts from (see `pipelines.training.starting_weights`; `origin`: `init`'s, already
+    looked up); one built here starts at the data's image size."""
     return fetch_starting_weights(
-        config.init, model_name=config.model, model_overrides=overrides, tracking_uri=tracking_uri,
+        config.init, model_name=config.model, model_overrides=built_at(config.init, config.model_overrides,
+                                                                       manifest["image_size"]),
+        tracking_uri=tracking_uri,
         endpoint_url=config.endpoint_url, seed=config.seed, origin=origin,
     )
 

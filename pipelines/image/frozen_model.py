@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pipelines.training.starting_weights import (Origin, StartingWeights, fetch_starting_weights, init_kind,
+from pipelines.training.starting_weights import (Origin, StartingWeights, built_at, fetch_starting_weights,
                                                  starting_config, starting_origin)
 
 
@@ -44,10 +44,7 @@ def load_frozen_model(config: FrozenModelFields, manifest: dict[str, Any], track
 
 
 def _overrides(config: FrozenModelFields, manifest: dict[str, Any]) -> dict[str, Any]:
-    overrides = dict(config.model_overrides)
-    if init_kind(config.init) in ("scratch", "foreign"):  # a model built here reads the data's image size
-        overrides.setdefault("image_size", manifest["image_size"])
-    return overrides
+    return built_at(config.init, config.model_overrides, manifest["image_size"])
 
 
 def _resolution(config: FrozenModelFields, manifest: dict[str, Any], model_config: Any) -> int:

@@ -122,6 +122,15 @@ def init_kind(init: str | None) -> Kind:
     return "checkpoint" if path.is_dir() and _is_project_checkpoint(path) else "foreign"
 
 
+def built_at(init: str | None, overrides: dict[str, Any], image_size: int) -> dict[str, Any]:
+    """`overrides` for the model `init` names: one built here (from scratch, or for published weights) reads
+    `image_size` unless the overrides name one; a checkpoint keeps its own."""
+    overrides = dict(overrides)
+    if init_kind(init) in ("scratch", "foreign"):
+        overrides.setdefault("image_size", image_size)
+    return overrides
+
+
 def _is_project_checkpoint(directory: Path) -> bool:
     config = directory / "config.json"
     if not (config.is_file() and (directory / "model.safetensors").is_file()):
@@ -348,5 +357,5 @@ def _check_vit(what: str, is_vit: bool, source: str) -> None:
         raise ValueError(f"init {source}: holds a {what}, not a ViT")
 
 
-__all__ = ["ARCH_FIELDS", "Origin", "StartingWeights", "check_architecture", "fetch_starting_weights", "init_kind",
+__all__ = ["ARCH_FIELDS", "Origin", "StartingWeights", "built_at", "check_architecture", "fetch_starting_weights", "init_kind",
            "origin_identity", "starting_config", "starting_origin"]
