@@ -2,8 +2,10 @@
 
 The spec (`pipelines.spec`), the runner (`pipelines.runner`) and the CLI
 (`pipelines.cli`) all read `STAGES`; nothing else turns a kind into code. Stage
-modules import torch and Ray, so each kind names a small loader that imports
-its module on first use: `vitpipe --help` and spec validation stay fast.
+modules import torch, Ray and MLflow, so each kind names two small loaders: its
+config model, from the light `configs` module of its layer (so `vitpipe --help`
+and config and spec validation stay fast), and its run function, from the stage
+module on first use.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ class Fill(NamedTuple):
     source: str  # attribute of the upstream stage's result; "ref" = the input string itself
 
 
-Loaded = tuple[type[BaseModel], Callable[..., Any]]  # a stage's config model and run function
-
-
 @dataclass(frozen=True)
 class Stage:
     """One stage kind.
@@ -38,7 +37,8 @@ class Stage:
     own MLflow run (`result.run_id`, `result.reused`).
     """
 
-    load: Callable[[], Loaded]  # imports the stage module on first call (later calls are cheap)
+    config: Callable[[], type[BaseModel]]  # the config model (imports pydantic-only modules)
+    load: Callable[[], Callable[..., Any]]  # the run function: imports the stage module on first call
     inputs: dict[str, Fill]
     metric: Callable[[Any], str]  # the summary table's key figure of a result
     shards: bool = False
@@ -50,12 +50,12 @@ class Stage:
     @property
     def config_model(self) -> type[BaseModel]:
         """The stage's pydantic config model."""
-        return self.load()[0]
+        return self.config()
 
     @property
     def run(self) -> Callable[..., Any]:
         """The stage's run function: `run(config, [ray_address=...], [force=...]) -> result`."""
-        return self.load()[1]
+        return self.load()
 
     def reused(self, result: Any) -> bool:
         """True when `result` came from an earlier finished run rather than new work."""
@@ -65,52 +65,70 @@ class Stage:
 # ------------------------------------------------------------ loaders
 
 
-def _ingest() -> Loaded:
+def _image_config(name: str) -> Callable[[], type[BaseModel]]:
+    def load() -> type[BaseModel]:
+        from pipelines.image import configs  # deferred: keeps `vitpipe --help` from loading pydantic models
+
+        return getattr(configs, name)
+
+    return load
+
+
+def _video_config(name: str) -> Callable[[], type[BaseModel]]:
+    def load() -> type[BaseModel]:
+        from pipelines.video import configs  # deferred: keeps `vitpipe --help` from loading pydantic models
+
+        return getattr(configs, name)
+
+    return load
+
+
+def _ingest() -> Callable[..., Any]:
     from pipelines.image import ingest  # deferred: stage modules import torch and Ray
 
-    return ingest.IngestConfig, ingest.run_ingest
+    return ingest.run_ingest
 
 
-def _pretrain() -> Loaded:
+def _pretrain() -> Callable[..., Any]:
     from pipelines.image import pretrain  # deferred: stage modules import torch and Ray
 
-    return pretrain.PretrainConfig, pretrain.run_pretrain
+    return pretrain.run_pretrain
 
 
-def _finetune() -> Loaded:
+def _finetune() -> Callable[..., Any]:
     from pipelines.image import finetune  # deferred: stage modules import torch and Ray
 
-    return finetune.FinetuneConfig, finetune.run_finetune
+    return finetune.run_finetune
 
 
-def _evaluate() -> Loaded:
+def _evaluate() -> Callable[..., Any]:
     from pipelines.image import evaluate  # deferred: stage modules import torch and Ray
 
-    return evaluate.EvaluateConfig, evaluate.run_evaluate
+    return evaluate.run_evaluate
 
 
-def _embed() -> Loaded:
+def _embed() -> Callable[..., Any]:
     from pipelines.image import embed  # deferred: stage modules import torch and Ray
 
-    return embed.EmbedConfig, embed.run_embed
+    return embed.run_embed
 
 
-def _video_ingest() -> Loaded:
+def _video_ingest() -> Callable[..., Any]:
     from pipelines.video import ingest  # deferred: stage modules import torch and Ray
 
-    return ingest.VideoIngestConfig, ingest.run_video_ingest
+    return ingest.run_video_ingest
 
 
-def _video_features() -> Loaded:
+def _video_features() -> Callable[..., Any]:
     from pipelines.video import features  # deferred: stage modules import torch and Ray
 
-    return features.VideoFeaturesConfig, features.run_video_features
+    return features.run_video_features
 
 
-def _video_train() -> Loaded:
+def _video_train() -> Callable[..., Any]:
     from pipelines.video import train  # deferred: stage modules import torch and Ray
 
-    return train.VideoTrainConfig, train.run_video_train
+    return train.run_video_train
 
 
 # ------------------------------------------------------------ key metrics
@@ -149,28 +167,33 @@ def _video_train_metric(result: Any) -> str:
 # ------------------------------------------------------------ the registry
 
 STAGES: dict[str, Stage] = {
-    "ingest": Stage(_ingest, {}, _counted("images"), shards=True, takes_ray_address=False, takes_force=True,
-                    from_file=False),
-    "pretrain": Stage(_pretrain, {"ingest": Fill("data", "output")}, _pretrain_metric, takes_ingest_run=True),
-    "finetune": Stage(_finetune, {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-                                  RUN: Fill("init", "ref")}, _finetune_metric),
-    "evaluate": Stage(_evaluate, {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-                                  "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
+    "ingest": Stage(_image_config("IngestConfig"), _ingest, {}, _counted("images"), shards=True,
+                    takes_ray_address=False, takes_force=True, from_file=False),
+    "pretrain": Stage(_image_config("PretrainConfig"), _pretrain, {"ingest": Fill("data", "output")},
+                      _pretrain_metric, takes_ingest_run=True),
+    "finetune": Stage(_image_config("FinetuneConfig"), _finetune,
+                      {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                       RUN: Fill("init", "ref")}, _finetune_metric),
+    "evaluate": Stage(_image_config("EvaluateConfig"), _evaluate,
+                      {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                       "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
                       _evaluate_metric, takes_ray_address=False),
     # The pooled features of every image of an ingest output, from a pretrain or fine-tune run (or any reference).
-    "embed": Stage(_embed, {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-                            "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
+    "embed": Stage(_image_config("EmbedConfig"), _embed,
+                   {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                    "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
                    _embed_metric, takes_force=True),
-    "video_ingest": Stage(_video_ingest, {}, _counted("videos"), shards=True, takes_ray_address=False,
-                          takes_force=True, from_file=False),
+    "video_ingest": Stage(_video_config("VideoIngestConfig"), _video_ingest, {}, _counted("videos"), shards=True,
+                          takes_ray_address=False, takes_force=True, from_file=False),
     # Per-frame features of a video ingest output, from the backbone of a pretrain run (or any run/model reference).
-    "video_features": Stage(_video_features, {"video_ingest": Fill("data", "output"),
-                                              "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
-                            _features_metric, shards=True, takes_force=True),
+    "video_features": Stage(_video_config("VideoFeaturesConfig"), _video_features,
+                            {"video_ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
+                             RUN: Fill("init", "ref")}, _features_metric, shards=True, takes_force=True),
     # A VTN's 2-D backbone starts from an image pretrain run (or any run/model reference); its data are
     # frames (video_ingest) or precomputed features (video_features: the temporal encoder trains alone).
-    "video_train": Stage(_video_train, {"video_ingest": Fill("data", "output"), "video_features": Fill("data", "output"),
-                                        "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
+    "video_train": Stage(_video_config("VideoTrainConfig"), _video_train,
+                         {"video_ingest": Fill("data", "output"), "video_features": Fill("data", "output"),
+                          "pretrain": Fill("init", "final_checkpoint"), RUN: Fill("init", "ref")},
                          _video_train_metric, takes_ingest_run=True),
 }
 KINDS: tuple[str, ...] = tuple(STAGES)

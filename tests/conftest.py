@@ -267,7 +267,8 @@ def tiny_dataset(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFacto
     Splits by key hash: val 0.2, test 0.1. Returns the output directory.
     """
     from pipelines.corpora.images import synth_corpus
-    from pipelines.image.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import run_ingest
+    from pipelines.image.configs import IngestConfig
 
     root = tmp_path_factory.mktemp("tiny-dataset")
     synth_corpus(str(root / "corpus"), images=120, classes=4, size=24, seed=0)

@@ -40,15 +40,18 @@ def train_nodes(names: dict[str, str]) -> list[str]:
 def run_stage(stage: str, config: dict[str, Any]) -> Any:
     """Run one stage from its config fields; returns its result model."""
     if stage == "ingest":
-        from pipelines.image.ingest import IngestConfig, run_ingest
+        from pipelines.image.ingest import run_ingest
+        from pipelines.image.configs import IngestConfig
 
         return run_ingest(IngestConfig(**config))
     if stage == "pretrain":
-        from pipelines.image.pretrain import PretrainConfig, run_pretrain
+        from pipelines.image.pretrain import run_pretrain
+        from pipelines.image.configs import PretrainConfig
 
         return run_pretrain(PretrainConfig(**config))
     if stage == "finetune":
-        from pipelines.image.finetune import FinetuneConfig, run_finetune
+        from pipelines.image.finetune import run_finetune
+        from pipelines.image.configs import FinetuneConfig
 
         return run_finetune(FinetuneConfig(**config))
     raise SystemExit(f"unknown stage {stage!r}: ingest, pretrain or finetune")

@@ -115,6 +115,47 @@ def test_a_bad_spec_is_refused_before_mlflow_ray_or_torch_is_imported(tmp_path, 
     assert status == "1 []"
     assert line.startswith(f"error: spec {spec}: stage 'a' field 'kind': Input should be 'ingest', 'pretrain'")
 
+# A pipeline whose every stage is valid but the last, whose field is refused by its own config model.
+_BAD_STAGE_FIELD = """name: p
+storage: {root: out}
+stages:
+  raw: {kind: ingest, source: corpus, image_size: 16, patch_size: 4}
+  pre: {kind: pretrain, inputs: [raw], model: ViT-Ti/4, steps: 20, warmup_steps: 2}
+  tune: {kind: finetune, inputs: [raw, pre], batch_size: 32}
+  probe: {kind: evaluate, inputs: [raw, pre], shots: [0]}
+"""
+
+
+def _imported_by(tmp_path: Path, *args: str) -> tuple[str, str]:
+    child = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *args], capture_output=True, text=True, check=True,
+                           cwd=tmp_path, env={**os.environ, "VITPIPE_LOG_DIR": str(tmp_path)})
+    status, line, *_ = child.stdout.splitlines()
+    return status, line
+
+
+@pytest.mark.parametrize("command", [["run"], ["submit", "--address", "http://127.0.0.1:9"]], ids=["run", "submit"])
+def test_a_bad_field_of_an_image_stage_is_refused_before_mlflow_ray_or_torch_is_imported(tmp_path, command) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(_BAD_STAGE_FIELD)
+    status, line = _imported_by(tmp_path, *command, str(spec))
+    assert status == "1 []"
+    assert line.startswith(f"error: spec {spec}: stage 'probe'") and "shots must be positive, got 0" in line
+
+
+def test_a_bad_field_in_a_stage_config_file_is_refused_before_mlflow_ray_or_torch_is_imported(tmp_path) -> None:
+    (tmp_path / "pre.yaml").write_text("data: data\nsteps: 0\n")
+    status, line = _imported_by(tmp_path, "pretrain", "pre.yaml")
+    assert status == "1 []"
+    assert line.startswith("error: pretrain config: steps: Input should be greater than 0")
+
+
+def test_a_bad_backbone_of_a_video_stage_is_refused_before_mlflow_or_ray_is_imported(tmp_path) -> None:
+    (tmp_path / "video.yaml").write_text("data: videos\nsteps: 1\nbackbone: ViT-Q/99\n")
+    status, line = _imported_by(tmp_path, "video-train", "video.yaml")
+    assert status == "1 ['torch']"  # the backbone is checked against vit's presets
+    assert line.startswith("error: video_train config: backbone 'ViT-Q/99': unknown model")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_stopped_command_says_so_in_one_line_and_exits_128_plus_the_signal(tmp_path, signum) -> None:
     out = tmp_path / "corpus"

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import vit
-from pipelines.image.pretrain import PretrainConfig
+from pipelines.image.configs import PretrainConfig
 from pipelines.training import step as train_step
 from pipelines.stages import STAGES
 from pipelines.training.recipe import LoopSettings, Recipe

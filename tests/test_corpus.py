@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from pipelines.cli import app
 from pipelines.corpora.images import FILL_RANGE, class_system, export_digits, fill_fraction, fractal_class_names, render, synth_corpus
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 
 
 def tree(root: Path) -> dict[str, bytes]:

@@ -23,7 +23,8 @@ import vit
 from pipelines.core import shards, tracking
 from pipelines.core.storage import open_store
 from pipelines.image.data import normalize, patches_array
-from pipelines.image.embed import EmbedConfig, run_embed
+from pipelines.image.embed import run_embed
+from pipelines.image.configs import EmbedConfig
 from pipelines.image.embeddings import embedding_matrix, read_embeddings
 from pipelines.runner import run_pipeline
 from pipelines.spec import load_spec

@@ -10,8 +10,8 @@ from mlflow.tracking import MlflowClient
 
 import vit
 from pipelines.core.shards import read_manifest
-from pipelines.image.evaluate import (EvaluateConfig, few_shot_accuracy, few_shot_table, load_config, ridge_fit,
-                                      run_evaluate, sample_support)
+from pipelines.image.evaluate import few_shot_accuracy, few_shot_table, load_config, ridge_fit, run_evaluate, sample_support
+from pipelines.image.configs import EvaluateConfig
 from pipelines.image.labeled_rows import DataSpec
 from tests.fault_proxy import FaultProxy
 

@@ -31,7 +31,8 @@ from pyarrow.fs import LocalFileSystem
 import vit
 from pipelines.core.shards import read_manifest
 from pipelines.core.errors import VitpipeError
-from pipelines.image.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from pipelines.image.finetune import FinetuneResult, run_finetune
+from pipelines.image.configs import FinetuneConfig
 from pipelines.image.finetune_trial import latest_checkpoint
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import vit
-from pipelines.image.finetune import FinetuneConfig, default_batch_size, load_config
+from pipelines.image.finetune import default_batch_size, load_config
+from pipelines.image.configs import FinetuneConfig
 from pipelines.image.labeled_rows import MemoryRows, augment_config, decode_batch, in_holdout, memory_batches
 from pipelines.image.finetune_trial import TrialSettings, build_finetune_optimizer
 from pipelines.training.starting_weights import fetch_starting_weights, init_kind

@@ -22,15 +22,15 @@ import torch
 from pydantic import BaseModel, SecretStr, ValidationError
 
 import vit
-from pipelines.core import ingest as core_ingest
 from pipelines.core import tracking
+from pipelines.core.stage_config import INGEST_NOT_IDENTITY
 from pipelines.image import embed, evaluate, finetune, pretrain
-from pipelines.image.ingest import IngestConfig
+from pipelines.image.configs import EmbedConfig, EvaluateConfig, FinetuneConfig, IngestConfig, PretrainConfig
 from pipelines.stages import STAGES
 from pipelines.training.starting_weights import Origin, init_kind
 from pipelines.training.step import resolve_precision
 from pipelines.video import features, train as video_train
-from pipelines.video.ingest import VideoIngestConfig
+from pipelines.video.configs import VideoFeaturesConfig, VideoIngestConfig, VideoTrainConfig
 
 RUN_A, RUN_B = "a" * 32, "b" * 32
 TINY = {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}
@@ -64,14 +64,14 @@ def origin_of(init: str | None) -> Origin:
     return Origin(kind, init or "none", init if kind == "run" else None)
 
 
-def features_identity(config: features.VideoFeaturesConfig) -> dict[str, Any]:
+def features_identity(config: VideoFeaturesConfig) -> dict[str, Any]:
     manifest = manifest_of(config)
     initial, backbone = features.load_backbone(config, manifest)
     bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None
     return features.run_identity(config, manifest, backbone, initial.frame_size, bf16)
 
 
-def embed_identity(config: embed.EmbedConfig) -> dict[str, Any]:
+def embed_identity(config: EmbedConfig) -> dict[str, Any]:
     """The embed stage's identity, with stand-ins for what it resolves: the weights' hash (following `init`,
     or the scratch model's fields), the model's config, the resolution, device and precision."""
     drawn = config.init or f"scratch:{config.model}:{sorted(config.model_overrides.items())}:{config.seed}"
@@ -107,23 +107,23 @@ def cases() -> dict[str, list[Case]]:
     video = {"data": "/videos", "backbone": "ViT-Ti/4", "backbone_overrides": TINY, "frame_size": 8}
     return {
         "ingest": [Case(IngestConfig, dict(source="/src", output="/out", image_size=16, patch_size=4),
-                        ingest_id, core_ingest.NOT_IDENTITY)],
-        "video_ingest": [Case(VideoIngestConfig, {**vingest, "sampling": mode}, ingest_id, core_ingest.NOT_IDENTITY,
+                        ingest_id, INGEST_NOT_IDENTITY)],
+        "video_ingest": [Case(VideoIngestConfig, {**vingest, "sampling": mode}, ingest_id, INGEST_NOT_IDENTITY,
                               _other_sampling_fields) for mode in ("full", "clips")],
-        "pretrain": [Case(pretrain.PretrainConfig,
+        "pretrain": [Case(PretrainConfig,
                           {"data": "/data", "steps": 10, "warmup_steps": 1, "model": "ViT-Ti/16", "model_overrides": TINY},
                           lambda c: pretrain.run_identity(c, manifest_of(c)), pretrain.NOT_IDENTITY)],
-        "finetune": [Case(finetune.FinetuneConfig, {"data": "/data", "init": RUN_A, "model": "ViT-Ti/16",
+        "finetune": [Case(FinetuneConfig, {"data": "/data", "init": RUN_A, "model": "ViT-Ti/16",
                                                     "model_overrides": {"dropout": 0.1}},
                           lambda c: finetune.run_identity(c, manifest_of(c), origin_of(c.init)), finetune.NOT_IDENTITY)],
-        "evaluate": [Case(evaluate.EvaluateConfig, {"data": "/data", "init": RUN_A},
+        "evaluate": [Case(EvaluateConfig, {"data": "/data", "init": RUN_A},
                           lambda c: evaluate.run_identity(c, manifest_of(c), origin_of(c.init), c.resolution or 16),
                           evaluate.NOT_IDENTITY)],
-        "embed": [Case(embed.EmbedConfig, {"data": "/data", "output": "/embeddings", "model": "ViT-Ti/16",
+        "embed": [Case(EmbedConfig, {"data": "/data", "output": "/embeddings", "model": "ViT-Ti/16",
                                            "model_overrides": TINY}, embed_identity, embed.NOT_IDENTITY)],
-        "video_train": [Case(video_train.VideoTrainConfig, {**video, "steps": 10, "warmup_steps": 1},
+        "video_train": [Case(VideoTrainConfig, {**video, "steps": 10, "warmup_steps": 1},
                              lambda c: video_train.run_identity(c, manifest_of(c), origin_of(c.init)), video_train.NOT_IDENTITY)],
-        "video_features": [Case(features.VideoFeaturesConfig, {**video, "output": "/features"}, features_identity,
+        "video_features": [Case(VideoFeaturesConfig, {**video, "output": "/features"}, features_identity,
                                 features.NOT_IDENTITY)],
     }
 
@@ -248,11 +248,11 @@ def test_a_pretrain_field_added_later_keeps_earlier_runs_identity_at_its_default
 
 # The stages that start from weights `init` names, each with a base config and its identity given an origin.
 STARTING = {
-    "finetune": (lambda: finetune.FinetuneConfig(data="/data", init=RUN_A, model="ViT-Ti/16"),
+    "finetune": (lambda: FinetuneConfig(data="/data", init=RUN_A, model="ViT-Ti/16"),
                  lambda c, o: finetune.run_identity(c, manifest_of(c), o)),
-    "evaluate": (lambda: evaluate.EvaluateConfig(data="/data", init=RUN_A),
+    "evaluate": (lambda: EvaluateConfig(data="/data", init=RUN_A),
                  lambda c, o: evaluate.run_identity(c, manifest_of(c), o, 16)),
-    "video_train": (lambda: video_train.VideoTrainConfig(data="/videos", init=RUN_A, steps=10, warmup_steps=1),
+    "video_train": (lambda: VideoTrainConfig(data="/videos", init=RUN_A, steps=10, warmup_steps=1),
                     lambda c, o: video_train.run_identity(c, manifest_of(c), o)),
 }
 

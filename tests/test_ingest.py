@@ -18,7 +18,8 @@ from PIL import Image
 import vit.patches
 from pipelines.core import shards
 from pipelines.image.patches import decode_image
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 from tests.process_output import result_json
 from tests.shard_output import assert_completing_writes_only_the_missing_shard, mtimes
 

@@ -17,7 +17,8 @@ from pipelines.core import shards
 from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
 from pipelines.core.ingest import IngestKind, run_sharded_ingest
 from pipelines.core.s3 import storage_error
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 from tests.corpus_files import jpeg, webdataset_tar
 from tests.fault_proxy import FaultProxy
 

@@ -13,7 +13,8 @@ from PIL import Image
 
 from pipelines.core.errors import IngestError
 from pipelines.core.shards import class_names
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 
 
 def _write_flat_corpus(root: Path, n: int) -> list[str]:

@@ -20,7 +20,8 @@ from pipelines.core import shards
 from pipelines.core.errors import IngestError, ObjectTooLarge
 from pipelines.core.fetch import fetch_planned
 from pipelines.core.storage import LocalStore, S3Settings, open_store
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 from pipelines.image.patches import decode_image
 from tests.corpus_files import jpeg
 
@@ -92,7 +93,7 @@ def test_the_s3_byte_cap_is_checked_before_the_body_is_read(s3_env, s3_bucket):
 
 
 def test_the_byte_cap_has_a_default_and_is_larger_for_video():
-    from pipelines.video.ingest import VideoIngestConfig
+    from pipelines.video.configs import VideoIngestConfig
 
     image = IngestConfig(source="/a", output="/b")
     video = VideoIngestConfig(source="/a", output="/b")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pipelines.core.ingest import IngestKind, run_sharded_ingest
-from pipelines.image.ingest import IngestConfig
+from pipelines.image.configs import IngestConfig
 
 PLANS = 24
 SHARD_SECONDS = 0.8  # far longer than listing 24 plans takes, even on a busy machine

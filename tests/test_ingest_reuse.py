@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.core import plan as ingest_plan
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 from tests.corpus_files import jpeg
 
 SHARD_SIZE, WINDOW = 8, 2

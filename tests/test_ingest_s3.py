@@ -15,7 +15,8 @@ import pytest
 from pipelines.core import shards
 from pipelines.core.shards import read_manifest
 from pipelines.core.errors import StorageError
-from pipelines.image.ingest import IngestConfig, run_ingest
+from pipelines.image.ingest import run_ingest
+from pipelines.image.configs import IngestConfig
 from tests.corpus_files import jpeg
 
 

@@ -25,7 +25,8 @@ from pipelines.core import registry
 from pipelines.core.errors import VitpipeError
 from pipelines.image import pretrain
 from pipelines.image.mae_hooks import MAEHooks
-from pipelines.image.pretrain import PretrainConfig, PretrainResult, load_config, run_identity, run_pretrain
+from pipelines.image.pretrain import PretrainResult, load_config, run_identity, run_pretrain
+from pipelines.image.configs import PretrainConfig
 from pipelines.image.reconstruction import RECONSTRUCTION_FIGURE
 from vit.mae import DECODER_FILE, load_mae
 
@@ -39,7 +40,8 @@ KILL_AT_STEP = 6  # after the checkpoint of step 4 is recorded
 @pytest.fixture(scope="module")
 def unlabeled(tiny_dataset, tmp_path_factory) -> str:
     """The tiny fractal corpus ingested unlabeled (`labeled: false`), as the tiny ingest's sizes and splits."""
-    from pipelines.image.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import run_ingest
+    from pipelines.image.configs import IngestConfig
 
     corpus = Path(tiny_dataset).parent / "corpus"
     config = IngestConfig(source=str(corpus), output=str(tmp_path_factory.mktemp("unlabeled") / "out"),
@@ -139,7 +141,8 @@ def test_a_reconstruction_picture_is_logged_at_the_end_of_an_mae_run(mae_run):
 @pytest.fixture(scope="module")
 def mae_finetune(mae_run, tiny_dataset, tmp_path_factory) -> tuple[Any, Any]:
     """One fine-tune sweep (a single trial) starting from the MAE run."""
-    from pipelines.image.finetune import FinetuneConfig, run_finetune
+    from pipelines.image.finetune import run_finetune
+    from pipelines.image.configs import FinetuneConfig
 
     config = FinetuneConfig(
         data=tiny_dataset, init=mae_run.result.run_id, search_space={"lr": 0.01, "steps": 4}, scheduler="fifo",

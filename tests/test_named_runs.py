@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.image.pretrain import PretrainConfig, run_pretrain
+from pipelines.image.pretrain import run_pretrain
+from pipelines.image.configs import PretrainConfig
 
 pytestmark = pytest.mark.slow
 

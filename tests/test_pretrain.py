@@ -26,7 +26,8 @@ from mlflow.tracking import MlflowClient
 import vit
 from pipelines.core import registry
 from pipelines.core.errors import VitpipeError
-from pipelines.image.pretrain import PretrainConfig, run_pretrain
+from pipelines.image.pretrain import run_pretrain
+from pipelines.image.configs import PretrainConfig
 from pipelines.training.trainer import TrainingDivergedError
 from tests.process_output import result_json
 
@@ -43,7 +44,8 @@ def corpus(ray_cluster, tmp_path_factory) -> str:
     Large enough that a run reads few passes: each pass over a split costs Ray Data seconds of start-up.
     """
     from pipelines.corpora.images import synth_corpus
-    from pipelines.image.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import run_ingest
+    from pipelines.image.configs import IngestConfig
 
     root = tmp_path_factory.mktemp("pretrain-data")
     synth_corpus(str(root / "corpus"), images=800, classes=4, size=24, seed=1)

@@ -8,7 +8,8 @@ import pickle
 import pytest
 
 from pipelines.core import shards
-from pipelines.image.pretrain import PretrainConfig, load_config, loop_settings, model_overrides, run_identity, run_pretrain
+from pipelines.image.pretrain import load_config, loop_settings, model_overrides, run_identity, run_pretrain
+from pipelines.image.configs import PretrainConfig
 from pipelines.training.trainer import build_trainer
 
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64)

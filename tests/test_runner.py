@@ -152,7 +152,8 @@ def test_a_failing_stage_stops_its_dependents_and_keeps_finished_outputs(ray_clu
 
 
 def test_an_unexpected_error_fails_its_stage_alone_and_the_others_still_run(ray_cluster, corpus, tmp_path):
-    from pipelines.image.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import run_ingest
+    from pipelines.image.configs import IngestConfig
 
     # Few-shot evaluation of a damaged shard: pyarrow raises in the driver, not a vitpipe error.
     data = run_ingest(IngestConfig(source=str(corpus), output=str(tmp_path / "damaged"), image_size=16,

@@ -34,7 +34,7 @@ from pipelines.video.feature_data import (
     read_training_manifest,
 )
 from pipelines.video.data import ClipSpec, _clip_batch, iter_videos, read_video_manifest
-from pipelines.video.features import FrameFeatures, load_config, run_video_features
+from pipelines.video.features import FrameFeatures, frozen_backbone, load_config, run_video_features
 from pipelines.video.eval import frame_views
 from pipelines.video.model import build_initial_model
 from pipelines.video.train import load_config as load_train_config
@@ -102,7 +102,7 @@ def stored_rows(output: str) -> list[dict]:
 def test_stored_features_equal_vtn_frame_features_of_the_prepared_frames(extracted, video_data, backbone_run):
     config, result = extracted
     manifest = result.manifest
-    model = build_initial_model(config.model_spec(), len(CLASSES), backbone_run["tracking_uri"]).model.eval()
+    model = build_initial_model(frozen_backbone(config), len(CLASSES), backbone_run["tracking_uri"]).model.eval()
     stored = {row["key"]: decode_features(row) for row in stored_rows(result.output)}
     checked = 0
     for split in shards.SPLITS:
@@ -172,7 +172,7 @@ def source_and_feature_tables(video_data: str, output: str):
 
 def test_float16_features_match_float32_within_half_precision(extracted, video_data):
     config, result = extracted
-    model = build_initial_model(config.model_spec(), len(CLASSES), config.tracking_uri).model
+    model = build_initial_model(frozen_backbone(config), len(CLASSES), config.tracking_uri).model
     source, _ = source_and_feature_tables(video_data, result.output)
     half = FrameFeatures([model], 32, 16, False, "float16", 1)(source)  # the actors' UDF, called here
     full = {row["key"]: decode_features(row) for row in stored_rows(result.output)}

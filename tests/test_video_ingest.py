@@ -24,7 +24,8 @@ from pipelines.video import shards as video_shards
 from pipelines.core.errors import IngestError, VitpipeError
 from pipelines.corpora.videos import class_specs, make_video, synth_video_corpus
 from pipelines.video.data import read_video_manifest
-from pipelines.video.ingest import VideoIngestConfig, run_video_ingest
+from pipelines.video.ingest import run_video_ingest
+from pipelines.video.configs import VideoIngestConfig
 from pipelines.video.decode import clip_indices, full_indices
 from tests.process_output import result_json
 from tests.shard_output import assert_completing_writes_only_the_missing_shard, mtimes

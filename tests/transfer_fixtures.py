@@ -45,7 +45,8 @@ def digits_export(tmp_path_factory) -> Path:
 
 
 def _ingest(export: Path, out: Path, size: int) -> str:
-    from pipelines.image.ingest import IngestConfig, run_ingest
+    from pipelines.image.ingest import run_ingest
+    from pipelines.image.configs import IngestConfig
 
     config = IngestConfig(source=str(export), output=str(out), manifest=str(export / "manifest.csv"),
                           image_size=size, patch_size=PATCH, shard_size=600)
@@ -61,7 +62,8 @@ def digits_data(ray_cluster, digits_export, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def pretrained(ray_cluster, mlflow_server, digits_export, tmp_path_factory) -> Pretrained:
     """A tiny ViT pretrained by the pretrain stage for 160 steps on the digits at 16×16."""
-    from pipelines.image.pretrain import PretrainConfig, run_pretrain
+    from pipelines.image.pretrain import run_pretrain
+    from pipelines.image.configs import PretrainConfig
 
     root = tmp_path_factory.mktemp("transfer-pretrain")
     data = _ingest(digits_export, root / "digits-16", PRETRAIN_SIZE)

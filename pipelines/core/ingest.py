@@ -31,87 +31,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.core import plan as ingest_plan, shards
 from pipelines.core.cluster import connect, ray_remote_args
-from pipelines.core.sources import Planner, object_plans, pattern_root
+from pipelines.core.sources import Planner, object_plans
 from pipelines.core.fetch import reusable
 from pipelines.core.errors import (IngestError, StorageError, TransientStorageError, VitpipeError, error_class,
                                    find_vitpipe_error)
-from pipelines.core.storage import Location, S3Settings, Store, open_store, parse_uri
+from pipelines.core.stage_config import ShardedIngestConfig
+from pipelines.core.storage import S3Settings, Store, open_store
+from pipelines.core.uris import pattern_root
 
 log = logging.getLogger("vitpipe.ingest")
-# Config fields that do not change the shards written, so they stay out of the output's fingerprint.
-NOT_IDENTITY = {
-    "output", "endpoint_url",  # where the shards go and which endpoint serves the objects
-    "concurrency", "io_threads", "list_concurrency",  # how fast
-    "max_reject_fraction",  # how strict: it decides whether the stage fails, not what it writes
-}
-
-
-class ShardedIngestConfig(BaseModel):
-    """Fields every ingest stage shares (`pipelines.image.ingest`, `pipelines.video.ingest`): where the
-    objects are, where the shards go, splits, sharding, strictness. Holds no credentials."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    source: str  # s3://bucket/prefix or a local directory
-    output: str  # s3://bucket/prefix or a local directory
-    manifest: str | None = None  # CSV/Parquet with columns key,label[,split]; keys relative to source
-    endpoint_url: str | None = None  # S3-compatible endpoint; default AWS_ENDPOINT_URL(_S3) or AWS
-    val_fraction: float = Field(0.1, ge=0.0, le=1.0)
-    test_fraction: float = Field(0.0, ge=0.0, le=1.0)
-    max_reject_fraction: float = Field(0.01, ge=0.0, le=1.0)
-    seed: int = 0
-    shard_size: int = Field(512, ge=1)
-    mix_window: int = Field(8, ge=1)  # shards whose keys are shuffled together
-    concurrency: int | None = Field(None, ge=1)  # shard tasks at once; None: as many as CPUs allow
-    io_threads: int = Field(8, ge=1, le=64)  # objects fetched or in flight per shard task, at most
-    list_concurrency: int = Field(16, ge=1, le=256)  # S3 class folders listed at once, by Ray tasks
-    max_object_bytes: int = Field(64 * 2**20, ge=1)  # larger objects are rejected without being read
-    compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
-
-    @field_validator("source", "output", "manifest")
-    @classmethod
-    def _valid_uri(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_uri(value)  # raises ValueError naming the URI
-        return value
-
-    @model_validator(mode="after")
-    def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
-        if self.val_fraction + self.test_fraction > 1.0:
-            raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
-        source, output = parse_uri(pattern_root(self.source)), parse_uri(self.output)
-        if source.uri.rstrip("/") == output.uri.rstrip("/"):
-            raise ValueError(f"output {self.output} must differ from source")
-        if _inside(output, source):
-            raise ValueError(f"output {self.output} is inside source {self.source}: its shards would be read as input")
-        return self
-
-    def identity(self) -> dict[str, Any]:
-        """The fields that decide the output's content (not how fast or how strictly it is made)."""
-        return self.model_dump(mode="json", exclude=NOT_IDENTITY)
-
-
-def _inside(inner: Location, outer: Location) -> bool:
-    """Whether `inner` lies under `outer` (same bucket or filesystem; local paths with links resolved)."""
-    if (inner.scheme, inner.bucket) != (outer.scheme, outer.bucket):
-        return False
-    if inner.scheme == "file":
-        return os.path.realpath(inner.path).startswith(os.path.realpath(outer.path).rstrip("/") + "/")
-    return not outer.path or inner.path.startswith(outer.path.rstrip("/") + "/")
-
-
 @dataclass
 class IngestResult:
     """What a run produced; `skipped` when a finished output of the same input and config was found."""

@@ -23,9 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
-
-from pydantic import AfterValidator
+from typing import Any, Literal, NamedTuple
 
 import vit
 
@@ -106,25 +104,6 @@ def log_vit_model(client: Any, run_id: str, checkpoint_dir: str | Path, name: st
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, 0)])
     return f"models:/{logged.model_id}"
 
-
-# MLflow refuses '/' and ':' in a registered model's name; quotes would break our version search.
-_NAME_BAD = ("/", ":", "'", '"')
-
-
-def check_registry_name(name: str | None) -> str | None:
-    """`name` for registering a model under, or a ValueError naming what MLflow's registry cannot take."""
-    if name is None:
-        return None
-    if not name.strip():
-        raise ValueError("registry_model must not be empty")
-    bad = [c for c in _NAME_BAD if c in name]
-    if bad:
-        raise ValueError(f"registry_model {name!r}: a registered model's name cannot contain "
-                         f"{' or '.join(map(repr, bad))}")
-    return name
-
-
-RegistryName = Annotated[str | None, AfterValidator(check_registry_name)]
 
 def register(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str], *, run_tag: str,
              score: Score) -> str:

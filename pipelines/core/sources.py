@@ -25,12 +25,10 @@ from typing import Any
 from pipelines.core import listing, plan as ingest_plan
 from pipelines.core.errors import IngestError
 from pipelines.core.storage import Store
+from pipelines.core.uris import BRACE_RANGE, pattern_root
 
 # (config, source, label manifest or None) -> the unsealed shard plans, streamed.
 Planner = Callable[[Any, Store, "Store | None"], Iterator[dict[str, Any]]]
-
-_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
-
 
 def object_plans(
     config: Any, source: Store, manifest: Store | None, *, labeled: bool = True
@@ -47,22 +45,16 @@ def object_plans(
     yield from ingest_plan.cut_shards(items, config.shard_size, config.mix_window, config.seed)
 
 
-def pattern_root(uri: str) -> str:
-    """The folder a brace-range source lists (`.../{000..009}.tar` → `...`), else `uri` itself."""
-    head, sep, name = uri.rstrip("/").rpartition("/")
-    return head if sep and _RANGE.search(name) else uri
-
-
 def name_filter(uri: str, suffix: str) -> Callable[[str], bool]:
     """Which listed keys (relative to `pattern_root(uri)`) are input files: the names a brace range
     spells (numbers of the range's width, within it), else any key ending in `suffix`."""
     name = uri.rstrip("/").rpartition("/")[2]
-    ranges = [(int(m.group(1)), int(m.group(2))) for m in _RANGE.finditer(name)]
+    ranges = [(int(m.group(1)), int(m.group(2))) for m in BRACE_RANGE.finditer(name)]
     if pattern_root(uri) == uri:
         return lambda key: key.endswith(suffix)
-    parts = _RANGE.split(name)[::3]  # the literal text around the ranges
+    parts = BRACE_RANGE.split(name)[::3]  # the literal text around the ranges
     regex = re.compile("".join(re.escape(p) + (f"(\\d{{{len(m.group(1))}}})" if i < len(ranges) else "")
-                               for i, (p, m) in enumerate(zip(parts, [*_RANGE.finditer(name), None]))))
+                               for i, (p, m) in enumerate(zip(parts, [*BRACE_RANGE.finditer(name), None]))))
 
     def matches(key: str) -> bool:
         found = regex.fullmatch(key)

@@ -1,6 +1,11 @@
 """How every stage reads its config: a YAML/JSON file or a dict, `--set KEY=VALUE`
 overrides, validation at the edge, and one-line errors naming the stage and field; and
-the checks shared by stages that turn one stage's output into another (`DataToOutput`)."""
+the parts stage configs share: the checks of stages that turn one stage's output into
+another (`DataToOutput`), the fields of every ingest (`ShardedIngestConfig`), a name to
+register a model under (`RegistryName`).
+
+Stage configs import this module, pydantic and nothing heavy (no torch, Ray or
+MLflow), so a config is validated before any of them loads."""
 
 from __future__ import annotations
 
@@ -10,12 +15,13 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipelines.core.storage import parse_uri
+from pipelines.core.storage import Location, parse_uri
+from pipelines.core.uris import pattern_root
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -36,6 +42,88 @@ class DataToOutput(BaseModel):
         """One line if `output` is `data`'s own location: writing `what` there would mix them into the input."""
         if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
             raise ValueError(f"output: {self.output} is the data's own location; {what} go elsewhere")
+
+
+# MLflow refuses '/' and ':' in a registered model's name; quotes would break our version search.
+_NAME_BAD = ("/", ":", "'", '"')
+
+
+def check_registry_name(name: str | None) -> str | None:
+    """`name` for registering a model under, or a ValueError naming what MLflow's registry cannot take."""
+    if name is None:
+        return None
+    if not name.strip():
+        raise ValueError("registry_model must not be empty")
+    bad = [c for c in _NAME_BAD if c in name]
+    if bad:
+        raise ValueError(f"registry_model {name!r}: a registered model's name cannot contain "
+                         f"{' or '.join(map(repr, bad))}")
+    return name
+
+
+RegistryName = Annotated[str | None, AfterValidator(check_registry_name)]
+
+
+# Config fields that do not change the shards written, so they stay out of the output's fingerprint.
+INGEST_NOT_IDENTITY = {
+    "output", "endpoint_url",  # where the shards go and which endpoint serves the objects
+    "concurrency", "io_threads", "list_concurrency",  # how fast
+    "max_reject_fraction",  # how strict: it decides whether the stage fails, not what it writes
+}
+
+
+class ShardedIngestConfig(BaseModel):
+    """Fields every ingest stage shares (`pipelines.image.ingest`, `pipelines.video.ingest`): where the
+    objects are, where the shards go, splits, sharding, strictness. Holds no credentials."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str  # s3://bucket/prefix or a local directory
+    output: str  # s3://bucket/prefix or a local directory
+    manifest: str | None = None  # CSV/Parquet with columns key,label[,split]; keys relative to source
+    endpoint_url: str | None = None  # S3-compatible endpoint; default AWS_ENDPOINT_URL(_S3) or AWS
+    val_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    test_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    max_reject_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    seed: int = 0
+    shard_size: int = Field(512, ge=1)
+    mix_window: int = Field(8, ge=1)  # shards whose keys are shuffled together
+    concurrency: int | None = Field(None, ge=1)  # shard tasks at once; None: as many as CPUs allow
+    io_threads: int = Field(8, ge=1, le=64)  # objects fetched or in flight per shard task, at most
+    list_concurrency: int = Field(16, ge=1, le=256)  # S3 class folders listed at once, by Ray tasks
+    max_object_bytes: int = Field(64 * 2**20, ge=1)  # larger objects are rejected without being read
+    compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
+
+    @field_validator("source", "output", "manifest")
+    @classmethod
+    def _valid_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_uri(value)  # raises ValueError naming the URI
+        return value
+
+    @model_validator(mode="after")
+    def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
+        if self.val_fraction + self.test_fraction > 1.0:
+            raise ValueError(f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction} exceeds 1")
+        source, output = parse_uri(pattern_root(self.source)), parse_uri(self.output)
+        if source.uri.rstrip("/") == output.uri.rstrip("/"):
+            raise ValueError(f"output {self.output} must differ from source")
+        if _inside(output, source):
+            raise ValueError(f"output {self.output} is inside source {self.source}: its shards would be read as input")
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that decide the output's content (not how fast or how strictly it is made)."""
+        return self.model_dump(mode="json", exclude=INGEST_NOT_IDENTITY)
+
+
+def _inside(inner: Location, outer: Location) -> bool:
+    """Whether `inner` lies under `outer` (same bucket or filesystem; local paths with links resolved)."""
+    if (inner.scheme, inner.bucket) != (outer.scheme, outer.bucket):
+        return False
+    if inner.scheme == "file":
+        return os.path.realpath(inner.path).startswith(os.path.realpath(outer.path).rstrip("/") + "/")
+    return not outer.path or inner.path.startswith(outer.path.rstrip("/") + "/")
 
 
 def yaml_syntax_error(err: yaml.YAMLError) -> str:

@@ -1,4 +1,5 @@
-"""URIs: the one place where credentials are scrubbed from a URI, and where a tracking URI is resolved.
+"""URIs: the one place where credentials are scrubbed from a URI, where a tracking URI is resolved, and
+where a source URI's brace range (`s3://bucket/train/{000000..000999}.tar`) is recognised.
 
 No MLflow here: `vitpipe run` validates a spec, tracking URI included, before it imports MLflow.
 """
@@ -56,3 +57,13 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         return prefix + os.path.abspath(uri[len(prefix):])
     return uri
+
+
+# A source's numbered range of names, `{000..999}`: read by `pipelines.core.sources.name_filter`.
+BRACE_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def pattern_root(uri: str) -> str:
+    """The folder a brace-range source lists (`.../{000..009}.tar` → `...`), else `uri` itself."""
+    head, sep, name = uri.rstrip("/").rpartition("/")
+    return head if sep and BRACE_RANGE.search(name) else uri

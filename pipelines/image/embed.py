@@ -32,17 +32,17 @@ import os
 import posixpath
 import time
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel
 
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.cluster import connect
 from pipelines.core.datasets import read_each_shard
-from pipelines.core.stage_config import DataToOutput, load_stage_config
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
@@ -51,6 +51,7 @@ from pipelines.image.embeddings import FORMAT, rows_hash, schema
 from pipelines.image.frozen_model import load_frozen_model
 from pipelines.image.patches import resize_patches
 from pipelines.training.step import resolve_precision
+from pipelines.image.configs import EmbedConfig
 
 logger = logging.getLogger(__name__)
 STAGE = "embed"
@@ -64,38 +65,8 @@ NOT_IDENTITY = {
 # What decides the rows written (the output's fingerprint): not where they go or how the run is named.
 CONTENT = ("format", "data", "weights", "model_config", "resolution", "precision", "device")
 
-__all__ = ["NOT_IDENTITY", "EmbedConfig", "EmbedResult", "PooledFeatures", "load_config", "run_embed",
+__all__ = ["NOT_IDENTITY", "EmbedResult", "PooledFeatures", "load_config", "run_embed",
            "run_identity"]
-
-
-class EmbedConfig(DataToOutput):
-    """Configuration of the embed stage (validated at construction; holds no credentials)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    data: str = Field(description="ingest output (local dir or s3://bucket/prefix)")
-    output: str = Field(description="where the embedding shards go (local dir or s3://bucket/prefix)")
-    init: str | None = None  # the weights: a run id, runs:/, models:/, a checkpoint dir, a timm/HF file
-    model: str | None = None  # architecture (checked against the checkpoint; required for scratch and timm/HF)
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    resolution: int | None = Field(None, gt=0)  # default: the model's own resolution
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # of the forward ("auto": bf16 where native)
-    batch_size: int = Field(64, gt=0)  # images per actor call
-    num_workers: int = Field(1, gt=0)  # actors in the pool, each with its own copy of the model
-    cpus_per_worker: float = Field(1.0, gt=0)  # also the actor's torch threads (rounded, at least 1)
-    num_gpus: float | None = Field(None, ge=0)  # per actor; default: 1 where the cluster has GPUs, else 0
-    compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
-    seed: int = 0  # draws a from-scratch model's weights (init none)
-    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// data and output
-    tracking_uri: str | None = None  # the run, and runs:/ and models:/ inits; default $MLFLOW_TRACKING_URI
-    experiment: str = "vitpipe"
-    run_name: str | None = None
-    parent_run_id: str | None = None
-
-    @model_validator(mode="after")
-    def _apart(self) -> EmbedConfig:
-        self.check_output_apart("embeddings")
-        return self
 
 
 class EmbedResult(BaseModel):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel
 
 import vit
 from pipelines.core import tracking
@@ -35,6 +35,7 @@ from pipelines.image.labeled_rows import DataSpec, decode_batch, iter_rows
 from pipelines.image.frozen_model import frozen_origin, load_frozen_model
 from pipelines.training.starting_weights import Origin, origin_identity
 from pipelines.core.shards import class_labels, class_names
+from pipelines.image.configs import EvaluateConfig
 
 logger = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -43,47 +44,6 @@ NOT_IDENTITY = {
     "tracking_uri", "experiment", "parent_run_id",  # where the run is recorded
     "batch_size",  # how fast features are computed
 }
-
-
-class EvaluateConfig(BaseModel):
-    """Few-shot linear evaluation config."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    data: str = Field(description="ingest output of the target dataset")
-    init: str | None = Field(description="weights to evaluate: a pretrain run id, runs:/, models:/, a checkpoint, a timm/HF file")
-    model: str | None = None  # architecture (checked against the checkpoint; required for timm/HF files)
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    shots: list[int] = Field(default_factory=lambda: [1, 5, 10, 25])
-    repeats: int = Field(3, gt=0)  # random support sets per k
-    l2_reg: float = Field(0.01, gt=0)  # ridge strength, relative to the support features' mean squared norm
-    resolution: int | None = Field(None, gt=0)  # default: the model's own (pretraining) resolution
-    support_split: Literal["train", "val"] = "train"
-    query_split: Literal["test", "val"] = "test"
-    batch_size: int = Field(256, gt=0)
-    seed: int = 0
-    endpoint_url: str | None = None
-    tracking_uri: str | None = None
-    experiment: str = "vitpipe"
-    run_name: str | None = None
-    parent_run_id: str | None = None
-
-    @field_validator("shots")
-    @classmethod
-    def _shots(cls, value: list[int]) -> list[int]:
-        if not value:
-            raise ValueError("shots is empty")
-        bad = [k for k in value if k < 1]
-        if bad:
-            raise ValueError(f"shots must be positive, got {bad[0]}")
-        return sorted(set(value))
-
-    @model_validator(mode="after")
-    def _distinct_splits(self) -> EvaluateConfig:
-        if self.support_split == self.query_split:  # its support images would be scored as queries too
-            raise ValueError(f"support_split and query_split are both {self.query_split!r}: the few-shot "
-                             "support must come from another split than the images it is scored on")
-        return self
 
 
 class EvaluateResult(BaseModel):

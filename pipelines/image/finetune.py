@@ -23,14 +23,14 @@ import json
 import logging
 import math
 import os
-from typing import Any, Literal
+from typing import Any
 
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field
 
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
-from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_MODEL, TAG_REGISTERED_VERSION, RegistryName
+from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_MODEL, TAG_REGISTERED_VERSION
 from pipelines.core.shards import num_classes, read_manifest
 from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
@@ -39,17 +39,17 @@ from pipelines.core.storage import S3Settings
 from pipelines.image.labeled_rows import DataSpec, raw_bytes
 from pipelines.image.finetune_results import check_sweep_ended, register_best_model, report_sweep, sweep_score
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
-from pipelines.image.search_space import SearchSpace, Searcher, build_search_alg
+from pipelines.image.search_space import build_search_alg
 from pipelines.training.recipe import (
-    RECIPE_NOT_IDENTITY, OptimizerChoice, Recipe, Recorded, Workers, pinned_identity, shared_fields,
+    RECIPE_NOT_IDENTITY, Workers, pinned_identity, shared_fields,
 )
 from pipelines.training.starting_weights import (ARCH_FIELDS, Origin, StartingWeights, fetch_starting_weights,
                                                  built_at, origin_identity, starting_origin)
 from pipelines.training.trainer import stage_init, storage_location
+from pipelines.image.configs import FinetuneConfig
 
 logger = logging.getLogger(__name__)
 STAGE = "finetune"
-METRICS = {"val_top1": "max", "val_loss": "min", "train_loss": "min"}
 TAG_PRETRAIN_RUN = "vitpipe.pretrain_run_id"
 TAG_MANIFEST = "vitpipe.manifest_hash"
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
@@ -60,86 +60,6 @@ NOT_IDENTITY = RECIPE_NOT_IDENTITY | {
     "registry_model",  # where the best model is registered: a reused sweep is registered there too
 }
 PINNED = ("registry_model",)  # left out of the identity later: held at its default in it (`pinned_identity`)
-_DEFAULT_SPACE = {"lr": {"grid": [0.001, 0.003, 0.01, 0.03]}, "steps": 500}
-
-
-class FinetuneConfig(Recipe, OptimizerChoice, Workers, Recorded):
-    """Fine-tuning stage config; defaults follow the ViT paper's fine-tuning recipe.
-
-    Steps, lr and weight decay are not fields: each trial takes them from the search space.
-    """
-
-    data: str = Field(description="ingest output (local dir or s3://bucket/prefix) of the target task")
-    init: str | None = None  # starting weights; see pipelines.training.starting_weights (None: from scratch)
-    model: str | None = None  # architecture; required from scratch and for timm/HF files, checked otherwise
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    freeze_backbone: bool = False  # True: linear probe (head only)
-    # The paper's fine-tuning recipe where it differs from the shared defaults.
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    batch_size: int | None = Field(None, gt=0)  # global; default: 512, or less for small data
-    hflip: bool = True  # with augmentation (aug_strength > 0)
-    holdout_fraction: float = Field(0.1, gt=0, lt=1)  # minival taken from train when the data has no val split
-    train_data: Literal["auto", "memory", "stream"] = "auto"  # auto: in memory up to memory_limit_mb, else Ray Data
-    memory_limit_mb: int = Field(512, ge=0)  # raw (uint8) training rows a trial may hold in the object store
-    # Trials report to Tune at evaluations only, so there must be some.
-    eval_interval: int = Field(100, gt=0)  # steps between evaluations (and Tune reports)
-    checkpoint_interval: int | None = Field(None, gt=0)  # default: every evaluation
-    # The sweep.
-    search_space: dict[str, Any] = Field(default_factory=lambda: dict(_DEFAULT_SPACE))
-    searcher: Searcher = "grid"
-    scheduler: Literal["asha", "pbt", "fifo"] = "asha"
-    grace_period: int | None = Field(None, gt=0)  # ASHA: steps before a trial can be stopped (default: eval_interval)
-    reduction_factor: float = Field(2.0, gt=1)  # ASHA
-    perturbation_interval: int | None = Field(None, gt=0)  # PBT: steps between exploits (default: eval_interval)
-    num_samples: int = Field(1, gt=0)
-    max_concurrent_trials: int | None = Field(None, gt=0)  # default: as many as the cluster holds
-    metric: str = "val_top1"
-    mode: Literal["max", "min"] | None = None  # default: the metric's natural direction
-    # Resources, per trial (workers: `Workers`).
-    trial_driver_cpus: float = Field(0.25, ge=0)  # the Tune function that waits on each trial's Train run
-    ray_data_cpus: float = Field(1.0, ge=0)  # CPUs kept free of trials so Ray Data can feed them
-    # Where things go (run records: `Recorded`).
-    registry_model: RegistryName = None  # register the best model as a new version of this name
-    keep_checkpoints: int = Field(1, gt=0)  # per trial
-    max_failures: int = Field(0, ge=-1)  # Ray Train restarts per trial (a diverged trial fails at once anyway)
-
-    @field_validator("search_space", mode="before")
-    @classmethod
-    def _space(cls, value: Any) -> Any:
-        SearchSpace.parse(value)  # one-line errors naming the parameter
-        return value
-
-    @field_validator("metric")
-    @classmethod
-    def _metric(cls, value: str) -> str:
-        if value not in METRICS:
-            raise ValueError(f"unknown metric {value!r}; trials report {', '.join(METRICS)}")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> FinetuneConfig:
-        space = self.space
-        space.check_searcher(self.searcher)
-        if self.scheduler == "pbt":
-            space.pbt_mutations()
-        steps = min(space.values_of("steps") or (500,))
-        if self.warmup_steps >= steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than the fewest steps searched ({steps})")
-        if self.batch_size is not None and self.batch_size % self.num_workers:
-            raise ValueError(f"batch_size {self.batch_size} is not a multiple of num_workers {self.num_workers}")
-        if self.init is None and not self.model:
-            raise ValueError("model: required when training from scratch (no init)")
-        return self
-
-    @property
-    def space(self) -> SearchSpace:
-        """The parsed search space."""
-        return SearchSpace.parse(self.search_space)
-
-    @property
-    def sweep_mode(self) -> str:
-        """`mode`, or the metric's natural direction."""
-        return self.mode or METRICS[self.metric]
 
 
 class FinetuneResult(BaseModel):

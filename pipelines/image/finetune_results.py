@@ -24,10 +24,10 @@ from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.registry import TAG_MODEL_URI, Score, log_vit_model, register_run_model
 from pipelines.core.shards import class_names, num_classes
 from pipelines.core.stopping import Stopped
+from pipelines.image.configs import METRICS
 from pipelines.image.labeled_rows import iter_rows
 from pipelines.image.finetune_trial import latest_checkpoint
 
-METRICS = ("val_top1", "val_loss", "train_loss")  # what trials report, besides `step`
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
 TAG_FINETUNE_RUN = "vitpipe.finetune_run_id"
 TRIAL_CURVES_FIGURE = "trial_curves.png"

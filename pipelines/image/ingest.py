@@ -10,52 +10,19 @@ See `pipelines.core.shards` for the format.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field, model_validator
 
 from pipelines.core import shards
 from pipelines.core.fetch import fetch_planned
-from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
-                                   run_sharded_ingest, shard_counts)
+from pipelines.core.ingest import (IngestKind, IngestResult, manifest_summary, public_config, run_sharded_ingest,
+                                   shard_counts)
 from pipelines.core.samples import parquet_samples, tar_samples
 from pipelines.core.sources import file_plans, object_plans
 from pipelines.core.storage import S3Settings, Store
 from pipelines.image.patches import RejectedImage, decode_image, patchify
-
-PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
-# Fields added after outputs were made: left out of the identity at these defaults, so those outputs keep theirs.
-LATER_FIELDS: dict[str, Any] = {"labeled": True, "input_format": "objects", "label_field": None,
-                                "image_column": "image", "label_column": "label"}
-
-
-class IngestConfig(ShardedIngestConfig):
-    """Configuration of the image ingest stage (validated at construction; holds no credentials)."""
-
-    image_size: int = Field(224, ge=8, le=4096)
-    patch_size: int = Field(16, ge=1, le=512)
-    max_pixels: int = Field(PILLOW_MAX_PIXELS, ge=1)
-    labeled: bool = True  # False: no classes, `label` null in the shards, `"labeled": false` in the manifest
-    # objects: one object per image; webdataset: tar shards of samples; parquet: tables of image bytes
-    input_format: Literal["objects", "webdataset", "parquet"] = "objects"
-    label_field: str | None = None  # webdataset: the label is this field of a sample's json, not its cls
-    image_column: str = "image"  # parquet: image bytes, or a {"bytes", "path"} struct (Hugging Face)
-    label_column: str = "label"  # parquet: the class number of a labeled ingest
-
-    @model_validator(mode="after")
-    def _consistent(self) -> IngestConfig:
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
-        if not self.labeled and self.manifest:
-            raise ValueError(f"manifest {self.manifest} gives labels, but the ingest is unlabeled (labeled: false)")
-        if self.manifest and self.input_format != "objects":
-            raise ValueError(f"a label manifest names objects; {self.input_format} input carries its labels inside")
-        return self
-
-    def identity(self) -> dict[str, Any]:
-        """As every ingest's, less the later fields left at their defaults (`LATER_FIELDS`)."""
-        return {k: v for k, v in super().identity().items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+from pipelines.image.configs import IngestConfig
 
 
 def run_ingest(config: IngestConfig, *, force: bool = False) -> IngestResult:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel
 
 import vit
 from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae
@@ -39,69 +39,19 @@ from pipelines.image.mae_hooks import MAEHooks, MAEOptions
 from pipelines.image.reconstruction import log_reconstruction_picture
 from pipelines.training.augment import augment_patch_batches
 from pipelines.training.hooks import LoopHooks
-from pipelines.training.recipe import TRAIN_NOT_IDENTITY, AugmentConfig, LoopSettings, TrainRecipe, pinned_identity
+from pipelines.training.recipe import TRAIN_NOT_IDENTITY, AugmentConfig, LoopSettings, pinned_identity
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, storage_location
 from pipelines.training.worker import Worker
+from pipelines.image.configs import PretrainConfig
 
 STAGE = "pretrain"
 # Fields added after runs were recorded: left out at their default, so those runs keep their identity.
 LATER_FIELDS = {"augment_on": "cpu", "objective": "supervised", "mask_ratio": 0.75, "decoder_dim": 512,
                 "decoder_depth": 8, "decoder_heads": 16, "norm_pix_loss": True}
-# The MAE paper's recipe (He et al. 2021, Table 8), applied to an `objective: mae` config where it sets no value.
-MAE_RECIPE = {"betas": (0.9, 0.95), "weight_decay": 0.05, "schedule": "cosine"}
-MAE_BASE_LR = 1.5e-4  # per 256 images of global batch: lr = base × global batch / 256
 # Fields that do not change what is trained, so they stay out of the run identity; every other field is in it.
 NOT_IDENTITY = TRAIN_NOT_IDENTITY
 # Left out of the identity later: held at their defaults in it (`pinned_identity`).
 PINNED = ("torch_threads", "keep_last")
-
-
-class PretrainConfig(TrainRecipe):
-    """Pretraining stage config; defaults follow the ViT paper's pretraining recipe."""
-
-    data: str = Field(description="ingest output (local dir or s3://bucket/prefix) holding manifest.json")
-    model: str = "ViT-B/16"
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    augment: bool = True
-    # Where the random-resized crop and flip run: per image on the Ray Data CPU workers, or per batch on the
-    # training worker's device once the batch is there (a GPU then needs far fewer CPU cores to stay fed).
-    augment_on: Literal["cpu", "device"] = "cpu"
-    eval_batch_size: int | None = Field(None, gt=0)
-    # The paper's pretraining recipe where it differs from the shared defaults.
-    num_workers: int = Field(2, gt=0)
-    batch_size_per_worker: int = Field(64, gt=0)
-    warmup_steps: int = Field(10_000, ge=0)
-    schedule: Literal["linear", "cosine"] = "linear"  # the paper decays linearly when pretraining
-    weight_decay: float = Field(0.1, ge=0)
-    eval_interval: int = Field(1000, ge=0)  # 0: only at the end
-    checkpoint_interval: int = Field(1000, ge=0)  # 0: only at the end
-    # What is learnt: labels (`supervised`), or masked patches' pixels (`mae`, which needs no labels).
-    objective: Literal["supervised", "mae"] = "supervised"
-    # MAE only; the paper's defaults: 75% of patches masked, a 512-wide 8-block decoder, per-patch normalised targets.
-    mask_ratio: float = Field(0.75, gt=0, lt=1)
-    decoder_dim: int = Field(512, gt=0, multiple_of=4)
-    decoder_depth: int = Field(8, gt=0)
-    decoder_heads: int = Field(16, gt=0)
-    norm_pix_loss: bool = True
-
-    @model_validator(mode="after")
-    def _mae_recipe(self) -> PretrainConfig:
-        """An MAE run takes the paper's optimizer and schedule, and its scaled learning rate, unless set."""
-        if self.objective != "mae":
-            return self
-        for name, value in MAE_RECIPE.items():
-            if name not in self.model_fields_set:
-                setattr(self, name, value)
-        if "lr" not in self.model_fields_set:
-            self.lr = MAE_BASE_LR * self.global_batch / 256
-        if self.decoder_dim % self.decoder_heads:
-            raise ValueError(f"decoder_dim {self.decoder_dim} is not a multiple of decoder_heads {self.decoder_heads}")
-        return self
-
-    @property
-    def augments_on_device(self) -> bool:
-        """Whether the training worker crops and flips each batch on its device (and normalises it there)."""
-        return self.augment and self.augment_on == "device"
 
 
 class PretrainResult(BaseModel):

@@ -35,11 +35,11 @@ import os
 import posixpath
 import time
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel
 
 import vit
 from pipelines.core import shards
@@ -47,20 +47,21 @@ from pipelines.core.errors import VitpipeError
 from pipelines.core.datasets import read_each_shard
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.cluster import connect
-from pipelines.core.stage_config import DataToOutput, load_stage_config
+from pipelines.core.stage_config import load_stage_config
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.training.step import resolve_precision
 from pipelines.video import shards as video_shards
 from pipelines.core.shards import num_classes
 from pipelines.video.data import manifest_digest, prepare_full_video, read_video_manifest, shard_keys
 from pipelines.video.feature_data import COLUMNS, DTYPES, FORMAT, SCHEMA, features_table, table_hash
-from pipelines.video.model import FrozenBackbone, InitialModel, build_initial_model, check_backbone_choice
+from pipelines.video.model import FrozenBackbone, InitialModel, build_initial_model
+from pipelines.video.configs import VideoFeaturesConfig
 
 logger = logging.getLogger(__name__)
 STAGE = "video_features"
 PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
 
-__all__ = ["NOT_IDENTITY", "FrameFeatures", "VideoFeaturesConfig", "VideoFeaturesResult", "load_backbone",
+__all__ = ["NOT_IDENTITY", "FrameFeatures", "frozen_backbone", "VideoFeaturesResult", "load_backbone",
            "load_config", "run_identity", "run_video_features"]
 # Fields that do not change the features stored, so they stay out of the output's identity. The identity holds
 # the others as what they resolve to: `data` as the source's content hash; `init`, `backbone`,
@@ -71,41 +72,6 @@ NOT_IDENTITY = {
     "batch_size", "videos_per_batch", "num_workers", "cpus_per_worker",  # how fast
     "compression",  # how shards are encoded on disk: the features read back are the same
 }
-
-
-class VideoFeaturesConfig(DataToOutput):
-    """Configuration of the video features stage (validated at construction; holds no credentials)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    data: str = Field(description="video ingest output (local dir or s3://bucket/prefix)")
-    output: str = Field(description="where the feature shards go (local dir or s3://bucket/prefix)")
-    init: str | None = None  # the backbone's weights, as video_train's init: run id, runs:/, models:/, checkpoint dir
-    backbone: str | None = None  # 2-D backbone architecture; default: the init checkpoint's
-    backbone_overrides: dict[str, Any] = Field(default_factory=dict)
-    frame_size: int | None = Field(None, gt=0)  # square side the backbone sees; default: the backbone's image size
-    batch_size: int = Field(64, gt=0)  # frames per backbone forward
-    videos_per_batch: int = Field(4, gt=0)  # videos per actor call
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # of the backbone's forward ("auto": bf16 where native)
-    feature_dtype: Literal["float32", "float16"] = "float32"  # as stored
-    num_workers: int = Field(1, gt=0)  # actors in the pool, each with its own copy of the backbone
-    cpus_per_worker: float = Field(1.0, gt=0)  # also the actor's torch threads (rounded, at least 1)
-    compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
-    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// data and output
-    seed: int = 0  # draws a from-scratch backbone's weights (init none)
-    tracking_uri: str | None = None  # resolves runs:/ and models:/ inits; default $MLFLOW_TRACKING_URI
-    experiment: str = "vitpipe"  # the pipeline runner records the stage as a child run in this experiment
-
-    @model_validator(mode="after")
-    def _check(self) -> VideoFeaturesConfig:
-        self.check_output_apart("features")
-        check_backbone_choice(self.init, self.backbone, self.backbone_overrides)  # as video_train checks them
-        return self
-
-    def model_spec(self) -> FrozenBackbone:
-        """What `pipelines.video.model.build_initial_model` needs to build this stage's backbone (frozen)."""
-        return FrozenBackbone(init=self.init, backbone=self.backbone, backbone_overrides=self.backbone_overrides,
-                              frame_size=self.frame_size, seed=self.seed, endpoint_url=self.endpoint_url)
 
 
 class VideoFeaturesResult(BaseModel):
@@ -228,11 +194,17 @@ def run_identity(config: VideoFeaturesConfig, source_manifest: dict[str, Any], b
             "frame_size": frame_size, "precision": "bf16" if bf16 else "fp32", "feature_dtype": config.feature_dtype}
 
 
+def frozen_backbone(config: VideoFeaturesConfig) -> FrozenBackbone:
+    """What `pipelines.video.model.build_initial_model` needs to build this stage's backbone (frozen)."""
+    return FrozenBackbone(init=config.init, backbone=config.backbone, backbone_overrides=config.backbone_overrides,
+                          frame_size=config.frame_size, seed=config.seed, endpoint_url=config.endpoint_url)
+
+
 def load_backbone(config: VideoFeaturesConfig, source_manifest: dict[str, Any]) -> tuple[InitialModel, dict[str, Any]]:
     """The frozen VTN whose backbone computes the features (built as video_train builds its model),
     and the backbone as the manifest records it."""
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
-    initial = build_initial_model(config.model_spec(), num_classes(source_manifest), tracking_uri)
+    initial = build_initial_model(frozen_backbone(config), num_classes(source_manifest), tracking_uri)
     return initial, {
         "init": initial.backbone_source, "run_id": initial.backbone_run_id, "name": initial.model.config.backbone,
         "overrides": initial.model.config.backbone_overrides, "weights_hash": vit.weights_hash(initial.model.backbone),

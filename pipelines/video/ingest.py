@@ -17,71 +17,20 @@ objects are rejected. See `pipelines.video.shards` for the format.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field, model_validator
 
 from pipelines.core import shards
 from pipelines.core.fetch import fetch_planned
-from pipelines.core.ingest import (IngestKind, IngestResult, ShardedIngestConfig, manifest_summary, public_config,
-                                   run_sharded_ingest, shard_counts)
+from pipelines.core.ingest import (IngestKind, IngestResult, manifest_summary, public_config, run_sharded_ingest,
+                                   shard_counts)
 from pipelines.core.storage import S3Settings, Store
 from pipelines.video import shards as video_shards
-from pipelines.video.decode import RejectedVideo, clip_indices, decode_video, full_indices
+from pipelines.video.decode import RejectedVideo, decode_video
+from pipelines.video.configs import VideoIngestConfig
 
-__all__ = ["VideoIngestConfig", "run_video_ingest", "process_video_shard"]
-
-MAX_FRAME_PIXELS = 7680 * 4320  # 8K UHD
-
-
-class VideoIngestConfig(ShardedIngestConfig):
-    """Configuration of the video ingest stage (validated at construction; holds no credentials).
-
-    `sampling="full"`: up to `max_frames` frames spread uniformly over each whole video.
-    `sampling="clips"`: clips of `clip_length` frames `frame_stride` apart, starting every
-    `clip_stride` frames, at most `max_clips` per video, stored back to back in the video's row.
-    """
-
-    frame_size: int = Field(224, ge=8, le=2048)  # shorter side resized to this, then centre crop
-    sampling: Literal["full", "clips"] = "full"
-    max_frames: int = Field(250, ge=1, le=8192)
-    clip_length: int = Field(16, ge=1, le=1024)
-    frame_stride: int = Field(1, ge=1, le=1024)
-    clip_stride: int = Field(16, ge=1)
-    max_clips: int = Field(10, ge=1, le=1024)
-    max_pixels: int = Field(MAX_FRAME_PIXELS, ge=1)  # per source frame, checked before decoding
-    shard_size: int = Field(16, ge=1)  # videos per shard (a shard stays under 2 GiB of frames)
-    io_threads: int = Field(4, ge=1, le=64)
-    max_object_bytes: int = Field(2**30, ge=1)  # a video is read whole: up to io_threads of these per task
-
-    @model_validator(mode="after")
-    def _sampling_fields(self) -> VideoIngestConfig:
-        frames = self.max_frames if self.sampling == "full" else self.clip_length * self.max_clips
-        if self.shard_size * frames * self.frame_size**2 * 3 >= 2**31:
-            raise ValueError(
-                f"shard_size {self.shard_size} videos of up to {frames} frames of {self.frame_size}px "
-                "exceed 2 GiB per shard; lower shard_size"
-            )
-        return self
-
-    def sampling_settings(self) -> dict[str, Any]:
-        """The sampling as recorded in the manifest (only the fields the mode uses)."""
-        if self.sampling == "full":
-            return {"mode": "full", "max_frames": self.max_frames}
-        return {"mode": "clips", "clip_length": self.clip_length, "frame_stride": self.frame_stride,
-                "clip_stride": self.clip_stride, "max_clips": self.max_clips}
-
-    def select(self, total: int) -> np.ndarray:
-        """The source frame indices to store for a video of `total` frames."""
-        if self.sampling == "full":
-            return full_indices(total, self.max_frames)
-        return clip_indices(total, self.clip_length, self.frame_stride, self.clip_stride, self.max_clips)
-
-    def identity(self) -> dict[str, Any]:
-        """The fields that decide the output's content; the other mode's sampling fields are left out."""
-        unused = {"clip_length", "frame_stride", "clip_stride", "max_clips"} if self.sampling == "full" else {"max_frames"}
-        return {k: v for k, v in super().identity().items() if k not in unused}
+__all__ = ["run_video_ingest", "process_video_shard"]
 
 
 def run_video_ingest(config: VideoIngestConfig, *, force: bool = False) -> IngestResult:

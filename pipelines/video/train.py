@@ -35,19 +35,19 @@ import json
 import logging
 import os
 import tempfile
-from typing import Any, Literal
+from typing import Any
 
 from mlflow.tracking import MlflowClient
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field
 
 import vit
 from pipelines.core import tracking
-from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_VERSION, RegistryName, Score, register_run_model
+from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_VERSION, Score, register_run_model
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import finished_run_id, stage_run
-from pipelines.training.recipe import TRAIN_NOT_IDENTITY, TrainRecipe, pinned_identity
+from pipelines.training.recipe import TRAIN_NOT_IDENTITY, pinned_identity
 from pipelines.training.starting_weights import Origin, origin_identity, starting_origin
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
 from pipelines.video.loop_hooks import ClipHooks, FeatureHooks
@@ -61,69 +61,17 @@ from pipelines.video.feature_data import (
     is_features,
     read_training_manifest,
 )
-from pipelines.video.model import InitialModel, build_initial_model, check_backbone_choice, check_vtn_fields
+from pipelines.video.model import InitialModel, build_initial_model
+from pipelines.video.configs import VideoTrainConfig
 
 logger = logging.getLogger(__name__)
 STAGE = "video_train"
 TAG_VIDEO_RUN = "vitpipe.video_train_run_id"
 TAG_BACKBONE_RUN = "vitpipe.backbone_run_id"
-MODES = ("full_video", "multiview")
 # Fields that do not change what is trained and evaluated, so they stay out of the run identity; every other
 # field is in it.
 NOT_IDENTITY = TRAIN_NOT_IDENTITY | {"registry_model"}  # + where the finished model is registered
 PINNED = ("keep_last",)  # left out of the identity later: held at its default in it (`pinned_identity`)
-
-
-class VideoTrainConfig(TrainRecipe):
-    """Video (VTN) training stage config; defaults follow the VTN paper's training and evaluation."""
-
-    # A video ingest output, or a video features output (`pipelines.video.features`): then the backbone is
-    # frozen and not run, and the temporal encoder trains on the stored features alone (`pipelines.video.feature_data`).
-    data: str = Field(description="video ingest or video features output (local dir or s3://bucket/prefix)")
-    # The model.
-    init: str | None = None  # the backbone's weights: pretrain run id, runs:/, models:/, checkpoint dir, timm/HF file
-    backbone: str | None = None  # 2-D backbone architecture; default: the init checkpoint's. Required from scratch
-    backbone_overrides: dict[str, Any] = Field(default_factory=dict)
-    freeze_backbone: bool = False  # True: train the temporal encoder and head only
-    temporal_pos_embed: Literal["learned", "fixed", "sincos", "none"] = "learned"  # fixed = sine-cosine
-    vtn: dict[str, Any] = Field(default_factory=dict)  # other VTNConfig fields: depth, num_heads, window, ...
-    frame_size: int | None = Field(None, gt=0)  # square frame side the model sees; default: the backbone's image size
-    # Training clips.
-    train_frames: int = Field(16, gt=0)  # frames per training clip (the paper: 16 or 32); also the multi-view clip length
-    train_sampling: Literal["segments", "clip"] = "segments"  # one frame per segment of the video, or consecutive frames
-    clip_stride: int = Field(1, gt=0)  # frames between a "clip"'s frames (and the multi-view clips')
-    clips_per_video: int = Field(1, gt=0)  # clips drawn from each training video per pass over the data
-    hflip: bool = False
-    # The VTN paper's recipe where it differs from the shared defaults.
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1)  # SGD only
-    # Evaluation of the final model.
-    eval_split: Literal["test", "val"] = "test"
-    eval_modes: list[Literal["full_video", "multiview"]] = Field(default_factory=lambda: list(MODES))
-    full_video_frames: int = Field(250, gt=0)  # frames spread over the whole video (fewer when it stores fewer)
-    multiview_clips: int = Field(10, gt=0)
-    multiview_crops: int = Field(3, gt=0)
-    eval_shuffled: bool = False  # also evaluate on frames in random order
-    eval_limit: int | None = Field(None, gt=0)  # evaluate at most this many videos
-    attention_videos: int = Field(4, ge=0)  # videos in the [CLS] attention picture
-    registry_model: RegistryName = None  # register the final model as a new version of this name
-
-    @field_validator("eval_modes")
-    @classmethod
-    def _modes(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("eval_modes is empty; use full_video, multiview or both")
-        return list(dict.fromkeys(value))
-
-    @field_validator("vtn")
-    @classmethod
-    def _vtn(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_vtn_fields(value)
-
-    @model_validator(mode="after")
-    def _check(self) -> VideoTrainConfig:
-        check_backbone_choice(self.init, self.backbone, self.backbone_overrides)
-        return self
 
 
 class VideoTrainResult(BaseModel):
