@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ingest_throughput import make_corpus  # noqa: E402
 
 from pipelines.image.data import patch_dataset  # noqa: E402
-from pipelines.image.ingest import IngestConfig, run_ingest  # noqa: E402
+from pipelines.image.ingest import run_ingest  # noqa: E402
+from pipelines.image.configs import IngestConfig
 from pipelines.training.augment import augment_patch_batches  # noqa: E402
 from pipelines.training.hooks import LoopHooks  # noqa: E402
 from pipelines.training.recipe import AugmentConfig, LoopSettings  # noqa: E402

@@ -44,8 +44,10 @@ import vit  # noqa: E402
 from pipelines.core.shards import read_manifest  # noqa: E402
 from pipelines.corpora.images import synth_corpus  # noqa: E402
 from pipelines.image.data import normalize, patches_array  # noqa: E402
-from pipelines.image.embed import EmbedConfig, run_embed  # noqa: E402
-from pipelines.image.ingest import IngestConfig, run_ingest  # noqa: E402
+from pipelines.image.embed import run_embed  # noqa: E402
+from pipelines.image.configs import EmbedConfig
+from pipelines.image.ingest import run_ingest  # noqa: E402
+from pipelines.image.configs import IngestConfig
 from pipelines.training.step import resolve_precision  # noqa: E402
 
 

@@ -43,9 +43,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import ingest_throughput as it  # noqa: E402
 
 from pipelines.core import ingest as core_ingest  # noqa: E402
-from pipelines.core.ingest import IngestKind, ShardedIngestConfig  # noqa: E402
+from pipelines.core.ingest import IngestKind  # noqa: E402
+from pipelines.core.stage_config import ShardedIngestConfig
 from pipelines.core.storage import Store  # noqa: E402
-from pipelines.image.ingest import IngestConfig  # noqa: E402
+from pipelines.image.configs import IngestConfig  # noqa: E402
 
 CPUS = 2  # the local cluster's CPUs (and the corpus writer's processes)
 ACTORS = 2  # the actor pool's size in the `actors` variants

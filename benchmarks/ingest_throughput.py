@@ -59,7 +59,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.core import plan as ingest_plan, shards  # noqa: E402
 from pipelines.core.storage import S3Settings, open_store  # noqa: E402
-from pipelines.image.ingest import IngestConfig, process_shard, run_ingest  # noqa: E402
+from pipelines.image.ingest import process_shard, run_ingest  # noqa: E402
+from pipelines.image.configs import IngestConfig
 from pipelines.image.patches import decode_image, patchify  # noqa: E402
 
 CLASSES = 10

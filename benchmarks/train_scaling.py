@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipelines.corpora.images import synth_corpus  # noqa: E402
 from pipelines.core.shards import read_manifest  # noqa: E402
 from pipelines.image.data import load_split, patch_dataset  # noqa: E402
-from pipelines.image.ingest import IngestConfig, run_ingest  # noqa: E402
+from pipelines.image.ingest import run_ingest  # noqa: E402
+from pipelines.image.configs import IngestConfig
 from pipelines.training import step as train_step  # noqa: E402
 from pipelines.training.loop import train_loop_per_worker  # noqa: E402
 from pipelines.training.recipe import LoopSettings  # noqa: E402
