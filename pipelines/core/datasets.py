@@ -100,22 +100,13 @@ def seeded_passes(
     order_seed = seed if seed is not None else secrets.randbits(63)  # unseeded: file orders fresh per dataset
     plan = PassPlan(list(paths), filesystem, split, tuple(columns), shuffle, order_seed)
     total = epochs * len(paths)
-    # Training shows its own step line. Ray Data's bars, drawn in the split's actor and forwarded, drowned it:
-    # 1,300 bar lines against 60 step lines in the demo's first five minutes of log. A dataset keeps the
-    # context it was created under; restore it for everyone else.
-    ctx = ray.data.DataContext.get_current()
-    shown, ctx.enable_progress_bars = ctx.enable_progress_bars, False
-    try:
-        # One (pass, file) per block, so reads run in parallel and stream in order; Ray Data
-        # plans its read tasks up front, so past MAX_BLOCKS a block holds several in a row.
-        items = ray.data.range(total, override_num_blocks=min(total, MAX_BLOCKS))
-        return items.map_batches(
-            read_items, batch_size=None, batch_format="numpy",
-            fn_kwargs={"plan": plan, "decode": decode, "decode_kwargs": fn_kwargs, "seed": seed,
-                       "batch_size": batch_size},
-        )
-    finally:
-        ctx.enable_progress_bars = shown
+    # One (pass, file) per block, so reads run in parallel and stream in order; Ray Data
+    # plans its read tasks up front, so past MAX_BLOCKS a block holds several in a row.
+    items = ray.data.range(total, override_num_blocks=min(total, MAX_BLOCKS))
+    return items.map_batches(
+        read_items, batch_size=None, batch_format="numpy",
+        fn_kwargs={"plan": plan, "decode": decode, "decode_kwargs": fn_kwargs, "seed": seed, "batch_size": batch_size},
+    )
 
 
 def read_each_shard(paths: Sequence[str], filesystem: Any, columns: Sequence[str], readers: int) -> Any:

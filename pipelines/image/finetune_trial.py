@@ -232,9 +232,7 @@ def trial_settings(ctx: SweepContext, config: dict[str, Any], run_id: str, **ext
 
 def _fit(ctx: SweepContext, settings: TrialSettings, config: dict[str, Any], name: str, callbacks: list[Any]) -> Any:
     import ray
-    import ray.data
 
-    ray.data.DataContext.get_current().enable_progress_bars = False  # one bar per trial per epoch drowns the log
     size = int(config["resolution"])
     aug = augment_config(float(config["aug_strength"]), ctx.hflip)
     # The minival goes by object ref, not Ray Data: it is small, read at every evaluation, and a second
