@@ -11,6 +11,7 @@ take the sweep down.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -34,6 +36,7 @@ from pipelines.core.errors import VitpipeError
 from pipelines.image.finetune import FinetuneResult, run_finetune
 from pipelines.image.configs import FinetuneConfig
 from pipelines.image.finetune_trial import latest_checkpoint
+from pipelines.image.labeled_rows import DataSpec, load_rows, train_dataset
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json
 from tests.fault_proxy import FaultProxy
@@ -326,6 +329,31 @@ def test_a_trial_that_tune_stops_on_its_last_report_has_every_step_metric_stored
     assert set(result.trial_status.values()) == {"completed"}
     client = MlflowClient(pretrained.tracking_uri)
     experiment = client.get_experiment_by_name("finetune-slow-link").experiment_id
+    [trial] = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result.run_id}'")
+    assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(trial.info.run_id, "val_loss")] == [4]
+
+
+def test_streamed_training_rows_are_the_in_memory_training_rows_without_the_minival(digits_data, ray_cluster):
+    data = DataSpec(digits_data, read_manifest(digits_data), holdout=0.1)  # the digits have no val split
+    streamed = train_dataset(data, size=DIGITS_SIZE).take_all()
+    patches, labels = load_rows(data, "train", size=DIGITS_SIZE)
+
+    def rows(pairs) -> list[tuple[int, str]]:
+        return sorted((int(label), hashlib.sha256(np.ascontiguousarray(p).tobytes()).hexdigest()) for p, label in pairs)
+
+    assert len(streamed) == len(labels) < read_manifest(digits_data)["counts"]["train"]
+    assert rows((r["patches"], r["label"]) for r in streamed) == rows(zip(patches, labels))
+
+
+def test_a_sweep_streaming_its_training_rows_through_ray_data_trains_every_step(digits_data, pretrained, tmp_path):
+    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="streamed",
+                          search_space={"lr": {"grid": [0.03]}, "steps": 4, "resolution": DIGITS_SIZE},
+                          eval_interval=4, registry_model=None, experiment="finetune-streamed", train_data="stream")
+    result = run_finetune(config)
+    assert set(result.trial_status.values()) == {"completed"}
+    client = MlflowClient(pretrained.tracking_uri)
+    experiment = client.get_experiment_by_name("finetune-streamed").experiment_id
     [trial] = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result.run_id}'")
     assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [1, 2, 3, 4]
     assert [m.step for m in client.get_metric_history(trial.info.run_id, "val_loss")] == [4]
