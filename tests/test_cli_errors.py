@@ -105,15 +105,22 @@ print(result.output.strip())
 """
 
 
+def _imported_by(tmp_path: Path, *args: str) -> tuple[str, str]:
+    """`vitpipe ARGS` run in a fresh interpreter: its exit status with the frameworks it imported, its first line."""
+    child = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *args], capture_output=True, text=True, check=True,
+                           cwd=tmp_path, env={**os.environ, "VITPIPE_LOG_DIR": str(tmp_path)})
+    status, line, *_ = child.stdout.splitlines()
+    return status, line
+
+
 @pytest.mark.parametrize("command", [["run"], ["submit", "--address", "http://127.0.0.1:9"]], ids=["run", "submit"])
 def test_a_bad_spec_is_refused_before_mlflow_ray_or_torch_is_imported(tmp_path, command) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: p\nstorage: {root: out}\nstages:\n  a: {kind: pretrian}\n")
-    child = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *command, str(spec)], capture_output=True,
-                           text=True, check=True, env={**os.environ, "VITPIPE_LOG_DIR": str(tmp_path)})
-    status, line = child.stdout.splitlines()
+    status, line = _imported_by(tmp_path, *command, str(spec))
     assert status == "1 []"
     assert line.startswith(f"error: spec {spec}: stage 'a' field 'kind': Input should be 'ingest', 'pretrain'")
+
 
 # A pipeline whose every stage is valid but the last, whose field is refused by its own config model.
 _BAD_STAGE_FIELD = """name: p
@@ -124,13 +131,6 @@ stages:
   tune: {kind: finetune, inputs: [raw, pre], batch_size: 32}
   probe: {kind: evaluate, inputs: [raw, pre], shots: [0]}
 """
-
-
-def _imported_by(tmp_path: Path, *args: str) -> tuple[str, str]:
-    child = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *args], capture_output=True, text=True, check=True,
-                           cwd=tmp_path, env={**os.environ, "VITPIPE_LOG_DIR": str(tmp_path)})
-    status, line, *_ = child.stdout.splitlines()
-    return status, line
 
 
 @pytest.mark.parametrize("command", [["run"], ["submit", "--address", "http://127.0.0.1:9"]], ids=["run", "submit"])
