@@ -26,17 +26,20 @@ from pipelines.core.uris import pattern_root
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 
+def _checked_uri(value: str | None) -> str | None:
+    """`value` unchanged if it parses as a storage URI (or is None), else `parse_uri`'s ValueError naming it."""
+    if value is not None:
+        parse_uri(value)
+    return value
+
+
 class DataToOutput(BaseModel):
     """Base of a stage config that reads an ingested output (`data`) and writes its own (`output`)."""
 
     data: str
     output: str
 
-    @field_validator("data", "output")
-    @classmethod
-    def _valid_uri(cls, value: str) -> str:
-        parse_uri(value)  # raises ValueError naming the URI
-        return value
+    _valid_uris = field_validator("data", "output")(_checked_uri)
 
     def check_output_apart(self, what: str) -> None:
         """One line if `output` is `data`'s own location: writing `what` there would mix them into the input."""
@@ -94,12 +97,7 @@ class ShardedIngestConfig(BaseModel):
     max_object_bytes: int = Field(64 * 2**20, ge=1)  # larger objects are rejected without being read
     compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
 
-    @field_validator("source", "output", "manifest")
-    @classmethod
-    def _valid_uri(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_uri(value)  # raises ValueError naming the URI
-        return value
+    _valid_uris = field_validator("source", "output", "manifest")(_checked_uri)
 
     @model_validator(mode="after")
     def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
