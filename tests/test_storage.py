@@ -14,7 +14,7 @@ import pytest
 from pipelines.core.errors import StorageError
 from pipelines.core.s3 import parse_timestamp
 from pipelines.core.storage import LocalStore, S3Settings, open_store, parse_uri, ray_storage
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import scrub_userinfo, strip_userinfo
 
 KEYS = ["a.txt", "a/b.jpg", "a-b/c.jpg", "b/x/y.png", "b/z.png", "c"]
 
@@ -81,6 +81,20 @@ def _put_local(root, keys):
 )
 def test_strip_userinfo_drops_credentials_and_keeps_the_rest_as_written(uri, shown):
     assert strip_userinfo(uri) == shown
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("Failed to connect to Ray at address: http://u:s3cret@127.0.0.1:1.", "Failed to connect to Ray at address: http://127.0.0.1:1."),
+        ("SSL validation failed for https://minio:hunter2@h:9000/bkt/a.jpg [SSL] (_ssl.c:1006)",
+         "SSL validation failed for https://h:9000/bkt/a.jpg [SSL] (_ssl.c:1006)"),
+        ("two: a https://u:p@ss@one/x b s3://K:S@two/y", "two: a https://one/x b s3://two/y"),
+        ("a mail address user@example.com and http://host/a@b stay", "a mail address user@example.com and http://host/a@b stay"),
+    ],
+)
+def test_scrub_userinfo_drops_the_credentials_of_every_url_inside_a_text(text, shown):
+    assert scrub_userinfo(text) == shown
 
 
 def test_local_listing_is_sorted_like_s3_and_skips_hidden_names(tmp_path):

@@ -27,6 +27,20 @@ def strip_userinfo(uri: str) -> str:
     return _USERINFO.sub(r"\1", uri, count=1)
 
 
+# The same, wherever a URL stands in a text (an error message, a traceback, a command line): the scheme
+# must be named, and white space ends the authority.
+_USERINFO_ANYWHERE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s@]*(?:@[^/?#\s@]*)*@")
+
+
+def scrub_userinfo(text: str) -> str:
+    """`text` with the `user:password@` of every `scheme://` URL in it removed; the rest exactly as written.
+
+    For free text that may quote a URL anywhere (a library's error message, a log line), where
+    `strip_userinfo` takes one URI as a whole.
+    """
+    return _USERINFO_ANYWHERE.sub(r"\1", text)
+
+
 def is_s3_uri(uri: str) -> bool:
     """Whether `uri` names S3 storage as `storage.parse_uri` reads it: `s3://` or Hadoop's `s3a://`, any case."""
     return "://" in uri and urlsplit(uri.strip()).scheme.lower() in ("s3", "s3a")
