@@ -300,7 +300,12 @@ def _where(loc: Sequence[Any]) -> str:
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Sequence[str], source: str) -> None:
-    """`--set STAGE.FIELD[.KEY...]=VALUE` (or a top-level key such as `storage.root=...`) into the raw spec."""
+    """`--set STAGE.FIELD[.KEY...]=VALUE` (or a top-level key such as `storage.root=...`) into the raw spec.
+
+    A stage's mapping field replaces its kind's default as a whole, so `--set STAGE.FIELD.KEY=V` on a
+    field the stage takes from `defaults` starts from a copy of that default: it sets one key of what the
+    stage would run with, rather than dropping the default's other keys.
+    """
     try:
         values = parse_overrides(overrides)
     except ValueError as err:
@@ -310,17 +315,26 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str], source: str
         path = key.split(".")
         if path[0] in stages:
             node, rest = stages[path[0]], path[1:]
+            default = _kind_defaults(data, node)
         elif path[0] in _TOP_KEYS:
-            node, rest = data, path
+            node, rest, default = data, path, {}
         else:
             raise SpecError(f"spec {source}: --set {key}: no stage '{path[0]}'{_suggest(path[0], stages)}")
         if not rest or not isinstance(node, dict):
             raise SpecError(f"spec {source}: --set {key}: expected STAGE.FIELD=VALUE")
         for part in rest[:-1]:
-            node = node.setdefault(part, {})
+            default = default.get(part) if isinstance(default, dict) else None
+            node = node.setdefault(part, copy.deepcopy(default) if isinstance(default, dict) else {})
             if not isinstance(node, dict):
                 raise SpecError(f"spec {source}: --set {key}: '{part}' is not a mapping")
         node[rest[-1]] = value
+
+
+def _kind_defaults(data: dict[str, Any], stage: Any) -> Any:
+    """The raw spec's `defaults` for `stage`'s kind ({} when there are none or the spec is malformed)."""
+    defaults = data.get("defaults")
+    kind = stage.get("kind") if isinstance(stage, dict) else None
+    return defaults.get(kind, {}) if isinstance(defaults, dict) and isinstance(kind, str) else {}
 
 
 def parse_spec(data: Any, source: str = "<spec>", overrides: Sequence[str] = ()) -> PipelineSpec:

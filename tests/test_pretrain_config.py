@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 from pipelines.core import shards
+from pipelines.core.stage_config import load_stage_config
 from pipelines.image.pretrain import load_config, loop_settings, model_overrides, run_identity, run_pretrain
 from pipelines.image.configs import PretrainConfig
 from pipelines.training.trainer import build_trainer
@@ -70,6 +71,18 @@ def test_config_file_and_overrides_load(tmp_path):
     path.write_text("data: s3://bucket/ingested\nsteps: 50\nwarmup_steps: 5\nlr: 0.0005\n")
     c = load_config(path, steps=60)
     assert (c.data, c.steps, c.lr) == ("s3://bucket/ingested", 60, 0.0005)
+
+
+def test_a_dotted_override_sets_one_key_of_a_mapping_field_and_keeps_the_others(tmp_path):
+    path = tmp_path / "pretrain.yaml"
+    path.write_text("data: /d\nsteps: 50\nwarmup_steps: 5\nmodel_overrides: {depth: 2, hidden_size: 64}\n")
+    c = load_stage_config(PretrainConfig, "pretrain", path, {"model_overrides.depth": 3})
+    assert c.model_overrides == {"depth": 3, "hidden_size": 64}
+
+
+def test_a_dotted_override_through_a_plain_field_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^pretrain config: --set steps.x: 'steps' is not a mapping$"):
+        load_stage_config(PretrainConfig, "pretrain", {"data": "/d", "steps": 50, "warmup_steps": 5}, {"steps.x": 1})
 
 
 def test_missing_config_file_is_a_value_error(tmp_path):

@@ -188,6 +188,18 @@ def test_set_override_applied(tmp_path: Path) -> None:
     assert config["storage"] == "s3://bucket/p/runs"
 
 
+def test_a_nested_set_on_a_defaulted_mapping_keeps_the_defaults_other_keys(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD), ["scratch.search_space.steps=80"])
+    assert spec.resolved_config("scratch")["search_space"] == {"lr": 0.01, "steps": 80}
+    assert spec.resolved_config("tune")["search_space"] == {"lr": 0.01, "steps": 50}  # the other stage keeps it
+
+
+def test_a_nested_set_on_a_stages_own_mapping_changes_that_mapping_alone(tmp_path: Path) -> None:
+    text = GOOD.replace("inputs: [target]}", "inputs: [target], search_space: {steps: 20}}")
+    spec = load_spec(write(tmp_path, text), ["scratch.search_space.lr=0.5"])
+    assert spec.resolved_config("scratch")["search_space"] == {"steps": 20, "lr": 0.5}
+
+
 def test_set_override_unknown_field_rejected(tmp_path: Path) -> None:
     message = error_of(write(tmp_path, GOOD), ["pre.nosuch=1"])
     assert message.endswith("stage 'pre' field 'nosuch': unknown key for a pretrain stage")

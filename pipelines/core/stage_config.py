@@ -9,6 +9,7 @@ MLflow), so a config is validated before any of them loads."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
@@ -155,12 +156,23 @@ def error_message(error: Mapping[str, Any]) -> str:
     return message
 
 
+def _set_path(data: dict[str, Any], key: str, value: Any, stage: str) -> None:
+    """`data[a][b] = value` for `--set a.b=value`: a dotted key sets one key of a mapping field, the rest kept."""
+    *parents, last = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{stage} config: --set {key}: '{part}' is not a mapping")
+    node[last] = value
+
+
 def load_stage_config(
     model: type[ConfigT], stage: str, source: str | os.PathLike[str] | dict[str, Any], overrides: dict[str, Any]
 ) -> ConfigT:
     """Validate `source` (a file path or a dict) plus `overrides` as `model`; errors are one line."""
     if isinstance(source, dict):
-        data = dict(source)
+        data = copy.deepcopy(source)  # a nested --set must not write into the caller's mapping
     else:
         path = Path(source)
         if not path.is_file():
@@ -171,7 +183,8 @@ def load_stage_config(
             raise ValueError(f"{stage} config {path}: {yaml_syntax_error(err)}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{stage} config {path} must be a mapping, got {type(data).__name__}")
-    data.update(overrides)
+    for key, value in overrides.items():
+        _set_path(data, key, value, stage)
     try:
         return model.model_validate(data)
     except ValidationError as err:
