@@ -31,6 +31,9 @@ PIPELINE_STAGE = "pipeline"
 TAG_PIPELINE = "vitpipe.pipeline"
 TAG_STAGE_NAME = "vitpipe.stage_name"
 TAG_UPSTREAM = "vitpipe.upstream_runs"  # "stage=run_id,..." of the stage's upstream stages
+# On the pipeline run, per forced stage that has not finished: the stamp naming its forced run, so that
+# the same command run again resumes that run rather than forcing yet another one.
+TAG_FORCED = "vitpipe.forced."
 
 
 @dataclass
@@ -85,7 +88,6 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     from mlflow.tracking import MlflowClient
 
     forced_stages = check_forced(spec, force)
-    stamp = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's forced runs
 
     connect(ray_address)
     tracking_uri = spec.resolved_tracking_uri()
@@ -95,8 +97,11 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     pipeline = context.pipeline
     try:
         with run_owner.heartbeat(client, pipeline.run_id):
+            stamps = forced_stamps(client, pipeline.run_id, forced_stages)
             for name in spec.order():
-                pipeline.rows.append(_stage_row(context, name, forced=stamp if name in forced_stages else ""))
+                pipeline.rows.append(_stage_row(context, name, forced=stamps.get(name, "")))
+                if name in stamps and pipeline.rows[-1].status == "done":  # finished: a later --force is new work
+                    client.delete_tag(pipeline.run_id, TAG_FORCED + name)
     except BaseException as err:  # a stop, or the driver's own failure: the pipeline run must not stay RUNNING
         tracking.end_unfinished_run(client, pipeline.run_id, err, f"pipeline run {pipeline.run_id}")
         raise
@@ -105,6 +110,17 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     client.log_text(pipeline.run_id, pipeline.table() + "\n", "summary.txt")
     tracking.end_run(client, pipeline.run_id, pipeline.ok)
     return pipeline
+
+
+def forced_stamps(client: Any, pipeline_run_id: str, forced: Iterable[str]) -> dict[str, str]:
+    """Forced stage -> the stamp that names its forced run: the one a stopped or failed invocation left on
+    the pipeline run (so its run resumes), else a new one, recorded there before the stage starts."""
+    tags = client.get_run(pipeline_run_id).data.tags
+    now = time.strftime("%Y%m%d-%H%M%S")
+    stamps = {name: tags.get(TAG_FORCED + name) or now for name in forced}
+    if stamps:
+        tracking.set_tags(client, pipeline_run_id, {TAG_FORCED + name: stamp for name, stamp in stamps.items()})
+    return stamps
 
 
 @dataclass

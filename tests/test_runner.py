@@ -25,7 +25,7 @@ import vit
 
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
-from pipelines.runner import PipelineResult, run_pipeline
+from pipelines.runner import TAG_FORCED, PipelineResult, forced_stamps, run_pipeline
 from pipelines.spec import PipelineSpec, load_spec
 
 pytestmark = pytest.mark.slow
@@ -132,6 +132,20 @@ def test_force_reruns_the_named_stage_as_a_new_run_and_reuses_the_others(runs, f
     after = {r.stage: r.run_id for r in forced.rows}
     assert after["fewshot"] != before["fewshot"] and after["pretrain"] == before["pretrain"]
     assert client.get_run(after["fewshot"]).data.tags["mlflow.parentRunId"] == forced.run_id
+
+
+def test_a_finished_forced_stage_leaves_no_stamp_so_forcing_it_again_is_new_work(runs, forced):
+    _, _, client = runs
+    assert TAG_FORCED + "fewshot" not in client.get_run(forced.run_id).data.tags
+
+
+def test_a_forced_stage_that_did_not_finish_keeps_its_stamp_so_the_same_command_resumes_its_run(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("e"), tags={TAG_FORCED + "pretrain": "20261207-014700"}).info.run_id
+    stamps = forced_stamps(client, run_id, ["pretrain", "fewshot"])
+    assert stamps["pretrain"] == "20261207-014700"  # the stopped invocation's: same run name, same identity
+    assert re.fullmatch(r"\d{8}-\d{6}", stamps["fewshot"]) and stamps["fewshot"] != stamps["pretrain"]
+    assert client.get_run(run_id).data.tags[TAG_FORCED + "fewshot"] == stamps["fewshot"]  # kept for a rerun
 
 
 def test_forcing_a_stage_the_spec_lacks_is_refused_by_name(tiny_spec):
