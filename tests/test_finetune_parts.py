@@ -139,6 +139,20 @@ def test_in_memory_batches_resume_from_their_data_position():
         assert torch.equal(batch["label"], b["label"])
 
 
+def test_in_memory_augmented_crops_are_a_function_of_seed_epoch_and_key():
+    rows = _memory_rows(40)
+    rows.aug = augment_config(1.0, hflip=True)
+
+    def crops(epoch: int) -> dict[int, torch.Tensor]:
+        """Each image's crop in one epoch, by label (the row number): epochs deal the rows in different orders."""
+        batches = memory_batches(rows, batch_size=5, rank=0, world=1, seed=7, epoch=epoch, skip=0)
+        return {int(y): p for _ in range(8) for _, _, b in [next(batches)] for y, p in zip(b["label"], b["patches"])}
+
+    first, again, later = crops(3), crops(3), crops(4)
+    assert all(torch.equal(first[y], again[y]) for y in first)  # a resumed trial sees the same crops
+    assert sum(not torch.equal(first[y], later[y]) for y in first) > len(first) // 2  # a new epoch, new crops
+
+
 def test_augmentation_strength_scales_the_crop_and_zero_turns_it_off():
     assert augment_config(0.0, hflip=True) is None
     full, mild = augment_config(1.0, hflip=False), augment_config(0.2, hflip=True)

@@ -63,12 +63,17 @@ def in_holdout(keys: list[str], fraction: float) -> np.ndarray:
 
 
 def decode_arrays(
-    patches: np.ndarray, labels: np.ndarray, keys: list[str], *, manifest: dict[str, Any], size: int, aug: Any
+    patches: np.ndarray, labels: np.ndarray, keys: list[str], *, manifest: dict[str, Any], size: int, aug: Any,
+    seed: int | None = None, epoch: int = 0,
 ) -> dict[str, np.ndarray]:
-    """uint8 patch sequences → normalised float32 patches at `size`×`size` (augmented when `aug`), int64 labels."""
+    """uint8 patch sequences → normalised float32 patches at `size`×`size` (augmented when `aug`), int64 labels.
+
+    With an integer `seed` each image's crop depends only on `(seed, epoch, key)`
+    (`augment_patches`); with None every call draws fresh crops.
+    """
     p, grid = manifest["patch_size"], tuple(manifest["grid"])
     if aug is not None and len(patches):
-        patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=None, epoch=0, aug=aug)
+        patches = augment_patches(patches, keys, patch_size=p, grid=grid, seed=seed, epoch=epoch, aug=aug)
     if size != manifest["image_size"] and len(patches):
         patches = resize_patches(patches, p, grid, size)
     patches = patches.reshape(len(patches), (size // p) ** 2, manifest["patch_dim"])
@@ -171,7 +176,8 @@ def memory_batches(rows: MemoryRows, *, batch_size: int, rank: int, world: int, 
 
     Each epoch is a fresh permutation (a function of seed and epoch, the same on
     every rank), dealt out rank by rank; `skip` drops the first batches of the
-    resumed epoch, so a restored worker continues from its data position.
+    resumed epoch, so a restored worker continues from its data position. Crops
+    are a function of `(seed, epoch, key)` too, so a resumed trial sees the same ones.
     """
     import torch
 
@@ -183,7 +189,7 @@ def memory_batches(rows: MemoryRows, *, batch_size: int, rank: int, world: int, 
         for i in range(skip, per_rank // batch_size):
             idx = order[i * batch_size : (i + 1) * batch_size]
             out = decode_arrays(rows.patches[idx], rows.labels[idx], [rows.keys[j] for j in idx],
-                                manifest=rows.manifest, size=rows.size, aug=rows.aug)
+                                manifest=rows.manifest, size=rows.size, aug=rows.aug, seed=seed, epoch=epoch)
             yield epoch, i + 1, {"patches": torch.from_numpy(out["patches"]), "label": torch.from_numpy(out["label"])}
         epoch, skip = epoch + 1, 0
 
