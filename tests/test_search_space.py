@@ -135,6 +135,25 @@ def test_the_bayes_searcher_without_a_backend_says_none_is_installed(tmp_path):
         "ValueError: searcher 'bayes' needs optuna or hyperopt installed; neither is (use 'random' or 'grid')")
 
 
-def test_grid_and_random_use_tunes_own_variant_generator():
-    assert build_search_alg("grid", "val_top1", "max", 0) is None
-    assert build_search_alg("random", "val_top1", "max", 0) is None
+def test_grid_and_random_use_tunes_own_variant_generator_holding_the_concurrency_limit():
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    for searcher in ("grid", "random"):
+        alg = build_search_alg(searcher, "val_top1", "max", 0, max_concurrent=3)
+        assert isinstance(alg, BasicVariantGenerator) and alg.max_concurrent == 3
+
+
+def _drawn_configs(seed: int) -> list[dict]:
+    """The trial configs the random searcher draws with `seed`, generated without Ray."""
+    space = SearchSpace.parse({"lr": {"loguniform": [1e-3, 1e-1]}, "aug_strength": {"uniform": [0.0, 1.0]}})
+    alg = build_search_alg("random", "val_top1", "max", seed)
+    alg.add_configurations({"sweep": {"run": lambda config: None, "num_samples": 4,
+                                      "config": space.to_tune("random", {"resolution": 16})}})
+    trials = iter(alg.next_trial, None)
+    return [trial.config for trial in trials]
+
+
+def test_the_random_searcher_draws_the_same_trials_from_the_same_seed():
+    first = _drawn_configs(0)
+    assert _drawn_configs(0) == first
+    assert _drawn_configs(1) != first

@@ -289,13 +289,15 @@ def _run_sweep(config: FinetuneConfig, ctx: SweepContext, storage_path: str, fil
                                    restart_errored=False, storage_filesystem=filesystem)
     else:
         mode = config.sweep_mode
+        search_alg = build_search_alg(config.searcher, config.metric, mode, config.seed, concurrent)
         tuner = tune.Tuner(
             trainable,
             param_space=config.space.to_tune(config.searcher, {"resolution": default_resolution}),
             tune_config=tune.TuneConfig(
                 metric=config.metric, mode=mode, scheduler=build_scheduler(config),
-                search_alg=build_search_alg(config.searcher, config.metric, mode, config.seed),
-                num_samples=config.num_samples, max_concurrent_trials=concurrent,
+                search_alg=search_alg, num_samples=config.num_samples,
+                # Grid and random: the variant generator holds the limit (Tune would ignore this one and warn).
+                max_concurrent_trials=concurrent if config.searcher == "bayes" else None,
                 # No reuse_actors (PBT's warning asks for it): a trial's Train run lives in its actor's thread,
                 # and Tune waits 2 s for that thread before reusing the actor; an early-stopped trial's run
                 # outlives that, and the next trial on the actor fails (seen with ASHA).

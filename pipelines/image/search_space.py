@@ -12,6 +12,7 @@ Five hyper-parameters can be searched; each is a constant or one distribution:
 Searchers: "grid" runs the cartesian product of the `grid` values (times
 `num_samples`); "random" and "bayes" draw `num_samples` trials, reading `grid`
 lists as choices. "bayes" uses Optuna or HyperOpt, whichever is installed.
+Every searcher's draws are a function of the config's seed.
 """
 
 from __future__ import annotations
@@ -191,10 +192,18 @@ def bayes_backend() -> str:
     raise ValueError("searcher 'bayes' needs optuna or hyperopt installed; neither is (use 'random' or 'grid')")
 
 
-def build_search_alg(searcher: Searcher, metric: str, mode: str, seed: int) -> Any:
-    """The Tune search algorithm for `searcher`; None lets Tune use its grid/random variant generator."""
+def build_search_alg(searcher: Searcher, metric: str, mode: str, seed: int, max_concurrent: int = 0) -> Any:
+    """The Tune search algorithm for `searcher`, its draws a function of `seed`.
+
+    Grid and random get Tune's own variant generator, seeded (Tune's default one
+    draws from numpy's global RNG) and holding the concurrency limit itself: Tune
+    ignores `max_concurrent_trials` for a generator passed in. Bayes gets Optuna
+    or HyperOpt; Tune wraps those in its concurrency limiter.
+    """
     if searcher != "bayes":
-        return None
+        from ray.tune.search.basic_variant import BasicVariantGenerator
+
+        return BasicVariantGenerator(max_concurrent=max_concurrent, random_state=seed)
     if bayes_backend() == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
