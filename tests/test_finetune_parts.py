@@ -193,6 +193,15 @@ def test_bad_config_is_one_line_naming_the_field(fields, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_drawn_resolution_is_refused_since_only_listed_sizes_can_be_checked_against_the_patch_size():
+    with pytest.raises(ValueError, match=r"search_space\.resolution: randint draws sizes that need not be multiples "
+                                         r"of the patch size; list the sizes with grid or choice") as info:
+        load_config({"data": "x", "init": "0" * 32, "searcher": "random", "search_space": {"resolution": {"randint": [224, 384]}}})
+    assert "\n" not in str(info.value)
+    for listed in ({"choice": [224, 384]}, {"grid": [224, 384]}, 224):
+        load_config({"data": "x", "init": "0" * 32, "searcher": "random", "search_space": {"resolution": listed}})
+
+
 def test_init_strings_are_classified_without_touching_anything(tmp_path):
     vit.save_checkpoint(tiny(), tmp_path / "ckpt")
     assert init_kind(None) == init_kind("none") == "scratch"

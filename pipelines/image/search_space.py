@@ -9,6 +9,9 @@ Five hyper-parameters can be searched; each is a constant or one distribution:
       weight_decay: 0.0
       aug_strength: {uniform: [0.0, 0.5]}
 
+`resolution` takes a constant, grid or choice only: every size is checked
+against the model's patch size before the sweep starts.
+
 Searchers: "grid" runs the cartesian product of the `grid` values (times
 `num_samples`); "random" and "bayes" draw `num_samples` trials, reading `grid`
 lists as choices. "bayes" uses Optuna or HyperOpt, whichever is installed.
@@ -35,6 +38,8 @@ PARAMS: dict[str, tuple[bool, float | int | None, float, float, bool]] = {
     "aug_strength": (False, 0.0, 0.0, 1.0, False),
 }
 MUTABLE = ("lr", "weight_decay", "aug_strength")  # what PBT may change mid-trial
+# Only listed values can each be checked up front (a resolution must be a multiple of the patch size).
+ENUMERATED = ("resolution",)
 
 
 def _check_value(name: str, value: Any) -> float | int:
@@ -78,6 +83,9 @@ class Param:
             if not raw:
                 raise ValueError(f"search_space.{name}: {kind} is empty")
             return cls(name=name, kind=kind, values=tuple(_check_value(name, v) for v in raw))
+        if name in ENUMERATED:
+            raise ValueError(f"search_space.{name}: {kind} draws sizes that need not be multiples of the patch size; "
+                             f"list the sizes with grid or choice")
         if len(raw) != 2:
             raise ValueError(f"search_space.{name}: {kind} expects [low, high], got {raw!r}")
         if kind in ("uniform", "loguniform") and integer:
