@@ -94,6 +94,13 @@ def test_values_set_in_an_mae_config_win_over_the_papers_recipe():
     assert (config.lr, config.weight_decay, config.schedule) == (0.01, 0.1, "linear")
 
 
+def test_an_mae_min_lr_above_the_learning_rate_scaled_by_the_batch_is_refused():
+    with pytest.raises(ValueError) as err:
+        load_config({"data": "/d", "objective": "mae", "min_lr": 1e-4, "steps": 100, "warmup_steps": 10})
+    assert str(err.value) == ("pretrain config: min_lr (0.0001) must not exceed lr (7.5e-05), "
+                              "the MAE recipe's 0.00015 × global batch 128 / 256")
+
+
 def test_a_supervised_config_keeps_the_identity_it_had_before_objectives_existed():
     config = load_config({"data": "/d", "steps": 10, "warmup_steps": 1})
     identity = run_identity(config, {"content_hash": "h"})

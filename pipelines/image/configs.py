@@ -104,6 +104,10 @@ class PretrainConfig(TrainRecipe):
                 setattr(self, name, value)
         if "lr" not in self.model_fields_set:
             self.lr = MAE_BASE_LR * self.global_batch / 256
+            # TrainRecipe checked min_lr against the default lr, before this one replaced it.
+            if self.min_lr > self.lr:
+                raise ValueError(f"min_lr ({self.min_lr:g}) must not exceed lr ({self.lr:g}), the MAE recipe's "
+                                 f"{MAE_BASE_LR:g} × global batch {self.global_batch} / 256")
         if self.decoder_dim % self.decoder_heads:
             raise ValueError(f"decoder_dim {self.decoder_dim} is not a multiple of decoder_heads {self.decoder_heads}")
         return self
