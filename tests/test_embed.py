@@ -156,3 +156,18 @@ def test_an_output_that_is_the_data_or_no_storage_uri_is_a_one_line_error_naming
         load_config({"data": data, "output": data if output == "DATA" else output})
     message = str(err.value)
     assert message.startswith("embed config: ") and "\n" not in message and words in message
+
+
+def test_a_from_scratch_model_is_drawn_from_the_configs_seed(tmp_path):
+    from pipelines.image.frozen_model import load_frozen_model
+
+    manifest = {"image_size": 16, "patch_size": 4, "patch_dim": 48}
+
+    def weights(seed: int) -> str:
+        config = EmbedConfig(data=str(tmp_path / "data"), output=str(tmp_path / "out"), init=None, model="ViT-Ti/4",
+                             model_overrides=TINY, seed=seed)
+        start, _ = load_frozen_model(config, manifest, "unused")
+        return vit.weights_hash(start.model)
+
+    assert weights(0) == weights(0)
+    assert weights(1) != weights(0)  # so the output's fingerprint, which holds this hash, differs too

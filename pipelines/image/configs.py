@@ -224,7 +224,7 @@ class EvaluateConfig(BaseModel):
     support_split: Literal["train", "val"] = "train"
     query_split: Literal["test", "val"] = "test"
     batch_size: int = Field(256, gt=0)
-    seed: int = 0
+    seed: int = 0  # draws the support sets, and a from-scratch model's weights (init none)
     endpoint_url: str | None = None
     tracking_uri: str | None = None
     experiment: str = "vitpipe"

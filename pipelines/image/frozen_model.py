@@ -21,6 +21,7 @@ class FrozenModelFields(Protocol):
     model_overrides: dict[str, Any]
     resolution: int | None
     endpoint_url: str | None
+    seed: int  # draws a from-scratch model's weights (init none)
 
 
 def frozen_origin(config: FrozenModelFields, manifest: dict[str, Any], tracking_uri: str) -> tuple[Origin, int]:
@@ -37,9 +38,10 @@ def load_frozen_model(config: FrozenModelFields, manifest: dict[str, Any], track
                       origin: Origin | None = None) -> tuple[StartingWeights, int]:
     """The weights `config.init` names (`fetch_starting_weights`' result; `origin`: `frozen_origin`'s, when
     known) and the resolution they read `config.data` at; a one-line ValueError when the model cannot read
-    the data's patches."""
+    the data's patches. A from-scratch model (init none) is drawn from `config.seed`."""
     start = fetch_starting_weights(config.init, model_name=config.model, model_overrides=_overrides(config, manifest),
-                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, origin=origin)
+                                   tracking_uri=tracking_uri, endpoint_url=config.endpoint_url, seed=config.seed,
+                                   origin=origin)
     return start, _resolution(config, manifest, start.model.config)
 
 
