@@ -5,10 +5,12 @@ secret travels to Ray tasks."""
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from botocore.exceptions import ClientError
@@ -17,6 +19,8 @@ from pipelines.core import shards
 from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
 from pipelines.core.ingest import IngestKind, run_sharded_ingest
 from pipelines.core.s3 import storage_error
+from pipelines.core.samples import parquet_samples, tar_samples
+from pipelines.core.storage import S3Settings, Store, open_store
 from pipelines.image.ingest import run_ingest
 from pipelines.image.configs import IngestConfig
 from tests.corpus_files import jpeg, webdataset_tar
@@ -114,6 +118,48 @@ def test_a_throttled_open_of_a_tar_shard_is_retried_and_loses_no_sample(ray_clus
     result = run_ingest(_config(f"s3://{s3_bucket}/tars", tmp_path / "out", proxy, input_format="webdataset"))
     assert result.counts["images"] == 4 and result.counts["rejected"] == 0
     assert proxy.injected["tars/000000.tar", "slowdown"] == 4
+
+
+def _samples_file(fmt: str) -> tuple[str, bytes]:
+    """A WebDataset tar or a Parquet table of two images: (its key, its bytes)."""
+    if fmt == "webdataset":
+        return "in/000.tar", webdataset_tar([{f"s{i}.jpg": jpeg(i)} for i in range(2)])
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"image": [jpeg(i) for i in range(2)]}), buf)
+    return "in/000.parquet", buf.getvalue()
+
+
+def _read_samples(store: Store, fmt: str, key: str, rejected: list) -> list:
+    if fmt == "webdataset":
+        return list(tar_samples(store, key, rejected, labeled=False, label_field=None, max_bytes=None))
+    return list(parquet_samples(store, key, rejected, image_column="image", label_column=None, max_bytes=None))
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
+@pytest.mark.parametrize(("keys", "cause"), [(("AKIAUNKNOWNUNKNOWN00", "x" * 40), "access key is not known"),
+                                             ((None, "wrong-secret-" + "y" * 27), "signature does not match")])
+def test_a_file_of_samples_refused_for_the_workers_credentials_fails_the_read_and_rejects_nothing(
+    s3_env, s3_bucket, monkeypatch, fmt, keys, cause
+):
+    # pyarrow opens the file with a HEAD, whose 403 names no cause: it must not read as this file's "access denied".
+    key, body = _samples_file(fmt)
+    s3_env.client().put_object(Bucket=s3_bucket, Key=key, Body=body)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys[0] or s3_env.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys[1])
+    rejected: list = []
+    with pytest.raises(StoreAccessError, match=rf"^s3://{s3_bucket}/{key}: .*{cause}"):
+        _read_samples(open_store(f"s3://{s3_bucket}"), fmt, key, rejected)
+    assert rejected == []
+
+
+def test_a_file_of_samples_a_policy_forbids_is_still_one_rejection(s3_env, s3_bucket, proxy):
+    key, body = _samples_file("webdataset")
+    s3_env.client().put_object(Bucket=s3_bucket, Key=key, Body=body)
+    for method in ("HEAD", "GET"):
+        proxy.fail(key, "denied", times=None, method=method)
+    rejected: list = []
+    assert _read_samples(open_store(f"s3://{s3_bucket}", S3Settings(proxy.url)), "webdataset", key, rejected) == []
+    assert rejected == [{"key": key, "reason": "access denied"}]  # S3's own code, read from a GET
 
 
 def _error(code: str, status: int) -> ClientError:

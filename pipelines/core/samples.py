@@ -16,7 +16,8 @@ What counts as what:
   it came (its members may be incomplete) is dropped, and so is everything after;
 - a Parquet file that is not Parquet, or lacks the named columns, is one rejection keyed by it;
 - a read that kept failing for a cause that may pass raises `TransientStorageError` (Ray retries
-  the shard task), exactly as for objects (`pipelines.core.fetch`).
+  the shard task), and one the store refuses whatever the file (credentials, bucket) raises
+  `StoreAccessError` (the stage fails), exactly as for objects (`pipelines.core.fetch`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import tarfile
 from collections.abc import Iterator
 from typing import Any
 
-from pipelines.core.errors import TransientStorageError
-from pipelines.core.storage import Store
+from pipelines.core.errors import ObjectTooLarge, StorageError, StoreAccessError, TransientStorageError
+from pipelines.core.storage import S3Store, Store
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 # (sample key, image bytes, label or None)
@@ -94,12 +95,28 @@ def _open_stream(source: Store, key: str) -> Any:
 
 
 def _read_failed(source: Store, key: str, exc: OSError, rejected: list[dict[str, str]]) -> None:
-    """A read error: raise it when its cause may pass (Ray retries the shard task); a permanent one
-    (the file went missing, access denied) rejects the rest of the file with its reason."""
+    """A read error: raise it when its cause may pass (Ray retries the shard task) or holds for the
+    whole store (credentials, bucket: the stage fails); a cause of this file alone (it went missing,
+    access to it is denied) rejects the rest of the file with its reason."""
     err = source.error(exc, key)
-    if isinstance(err, TransientStorageError):
+    if type(err) is StorageError and isinstance(source, S3Store):
+        err = _cause_on_get(source, key, err)
+    if isinstance(err, (TransientStorageError, StoreAccessError)):
         raise err from None
     rejected.append({"key": key, "reason": err.message.removeprefix(f"{source.child_uri(key)}: ")})
+
+
+def _cause_on_get(source: S3Store, key: str, err: StorageError) -> StorageError:
+    """The cause S3 names for `key` on a GET, where pyarrow's HEAD got none: S3 answers a HEAD's
+    403 without a body, so an unknown key or a wrong secret (the whole store) reads as this file's
+    "access denied". The GET stops at its headers (a byte cap of 0), so no body is read."""
+    try:
+        source.read(key, max_bytes=0)
+    except ObjectTooLarge:
+        pass  # readable now: the first error stands
+    except StorageError as cause:
+        return cause
+    return err
 
 
 def _sample(
