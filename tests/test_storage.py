@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.core.errors import StorageError
-from pipelines.core.s3 import parse_timestamp
+from pipelines.core.s3 import parse_timestamp, storage_error
 from pipelines.core.storage import LocalStore, S3Settings, open_store, parse_uri, ray_storage
 from pipelines.core.uris import scrub_userinfo, strip_userinfo
 
@@ -296,6 +296,22 @@ def test_wrong_secret_is_one_line_without_the_secret(s3_server, s3_bucket):
     wrong = "wrong-secret-" + "y" * 27
     message = _s3_error(s3_server, f"s3://{s3_bucket}/data", keys=(s3_server.access_key, wrong))
     assert "signature does not match" in message and wrong not in message
+
+
+@pytest.mark.parametrize(
+    ("error", "password"),
+    [("SSLError", "hunter2"), ("ReadTimeoutError", "hunter2"),
+     ("ReadTimeoutError", "p" * 300)],  # longer than the cause's line, which is cut at 200 characters
+    ids=["ssl", "read-timeout", "password-longer-than-the-line"],
+)
+def test_a_password_in_the_endpoint_url_never_reaches_a_storage_error(error, password):
+    from botocore import exceptions as bce
+
+    url = f"https://minio:{password}@s3.example:9000/bkt/data/a.jpg"
+    exc = getattr(bce, error)(endpoint_url=url, error="wrong version number")
+    assert password[:7] in str(exc)  # botocore quotes the request URL
+    message = storage_error("s3://bkt/data/a.jpg", exc).message
+    assert message.startswith("s3://bkt/data/a.jpg: ") and password[:7] not in message
 
 
 def _closed_port() -> int:

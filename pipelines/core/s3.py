@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import scrub_userinfo, strip_userinfo
 
 DEFAULT_REGION = "us-east-1"
 # Attempts per request (the first one included) in botocore's `standard` retry mode, which
@@ -174,7 +174,8 @@ def storage_error(uri: str, exc: BaseException, settings: S3Settings | None = No
         return exc
     cause, transient = _cause(exc, settings)
     kind = TransientStorageError if transient else StoreAccessError if _store_wide(exc) else StorageError
-    return kind(f"{strip_userinfo(uri)}: {cause}")
+    # botocore quotes the request URL, with an endpoint's `user:password@`, in its SSL and timeout errors.
+    return kind(f"{strip_userinfo(uri)}: {scrub_userinfo(cause)}")
 
 
 _STORE_WIDE_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "InvalidBucketName"}
@@ -233,7 +234,8 @@ def _client_error_cause(exc: Any) -> tuple[str, bool]:
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    # Scrubbed before the cut, which could part a URL's password from the `@` that marks it.
+    return (scrub_userinfo(str(exc)).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _transient_status(status: int) -> bool:
