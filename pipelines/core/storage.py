@@ -14,77 +14,25 @@ from __future__ import annotations
 import itertools
 import os
 import random
-import re
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipelines.core.errors import ObjectTooLarge, StorageError, TransientStorageError
 from pipelines.core.s3 import S3Settings, storage_error
-from pipelines.core.uris import is_s3_uri, strip_userinfo
+from pipelines.core.uris import Location, join_key, parse_uri
 
 __all__ = [
     "Entry", "LocalStore", "Location", "S3Settings", "S3Store", "Store",
     "join_key", "open_store", "parse_uri", "ray_storage", "storage_error",
 ]
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _TMP_PREFIX = ".tmp-vitpipe-"
 
 Entry = tuple[str, int, str]  # a listed object: key, size in bytes, version (ETag or mtime)
-
-
-# ---------------------------------------------------------------- URIs
-
-
-@dataclass(frozen=True)
-class Location:
-    """A parsed storage URI: `s3` with bucket and key prefix, or `file` with an absolute path."""
-
-    scheme: str  # "s3" or "file"
-    bucket: str  # "" for local paths
-    path: str  # s3: key prefix without surrounding "/"; file: absolute path
-
-    @property
-    def uri(self) -> str:
-        if self.scheme == "s3":
-            return f"s3://{self.bucket}/{self.path}" if self.path else f"s3://{self.bucket}"
-        return self.path
-
-
-def parse_uri(uri: str) -> Location:
-    """Parse `s3://bucket/prefix`, `file:///path` or a plain local path.
-
-    Raises ValueError for other schemes, malformed bucket names and URIs that
-    embed credentials (`s3://key:secret@bucket`): those belong in the AWS chain.
-    """
-    if not isinstance(uri, str) or not uri.strip():
-        raise ValueError("storage URI must be a non-empty string")
-    uri = uri.strip()
-    if "://" not in uri:
-        return Location("file", "", os.path.abspath(os.path.expanduser(uri)))
-    parts = urlsplit(uri)
-    scheme = parts.scheme.lower()
-    if scheme == "file":
-        return Location("file", "", os.path.abspath(parts.path or "/"))
-    if not is_s3_uri(uri):
-        raise ValueError(f"{uri}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
-    if "@" in parts.netloc:
-        raise ValueError(f"{strip_userinfo(uri)}: credentials in the URI are refused; use the AWS environment or profile")
-    bucket = parts.netloc
-    if not _BUCKET_RE.match(bucket):
-        raise ValueError(f"{uri}: {bucket!r} is not a valid bucket name")
-    return Location("s3", bucket, parts.path.strip("/"))
-
-
-def join_key(*parts: str) -> str:
-    """Join key parts with "/" (no leading, trailing or doubled separators)."""
-    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
 # ---------------------------------------------------------------- stores

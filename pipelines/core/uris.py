@@ -1,4 +1,5 @@
-"""URIs: the one place where credentials are scrubbed from a URI, where a tracking URI is resolved, and
+"""URIs: the one place where credentials are scrubbed from a URI, where a storage URI is parsed
+(`parse_uri`, re-exported by `pipelines.core.storage`), where a tracking URI is resolved, and
 where a source URI's brace range (`s3://bucket/train/{000000..000999}.tar`) is recognised.
 
 No MLflow here: `vitpipe run` validates a spec, tracking URI included, before it imports MLflow.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -42,8 +44,56 @@ def scrub_userinfo(text: str) -> str:
 
 
 def is_s3_uri(uri: str) -> bool:
-    """Whether `uri` names S3 storage as `storage.parse_uri` reads it: `s3://` or Hadoop's `s3a://`, any case."""
+    """Whether `uri` names S3 storage as `parse_uri` reads it: `s3://` or Hadoop's `s3a://`, any case."""
     return "://" in uri and urlsplit(uri.strip()).scheme.lower() in ("s3", "s3a")
+
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed storage URI: `s3` with bucket and key prefix, or `file` with an absolute path."""
+
+    scheme: str  # "s3" or "file"
+    bucket: str  # "" for local paths
+    path: str  # s3: key prefix without surrounding "/"; file: absolute path
+
+    @property
+    def uri(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{self.path}" if self.path else f"s3://{self.bucket}"
+        return self.path
+
+
+def parse_uri(uri: str) -> Location:
+    """Parse `s3://bucket/prefix`, `file:///path` or a plain local path.
+
+    Raises ValueError for other schemes, malformed bucket names and URIs that
+    embed credentials (`s3://key:secret@bucket`): those belong in the AWS chain.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError("storage URI must be a non-empty string")
+    uri = uri.strip()
+    if "://" not in uri:
+        return Location("file", "", os.path.abspath(os.path.expanduser(uri)))
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        return Location("file", "", os.path.abspath(parts.path or "/"))
+    if not is_s3_uri(uri):
+        raise ValueError(f"{uri}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
+    if "@" in parts.netloc:
+        raise ValueError(f"{strip_userinfo(uri)}: credentials in the URI are refused; use the AWS environment or profile")
+    bucket = parts.netloc
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"{uri}: {bucket!r} is not a valid bucket name")
+    return Location("s3", bucket, parts.path.strip("/"))
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with "/" (no leading, trailing or doubled separators)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
 class Unprinted:
