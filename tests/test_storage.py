@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.core.errors import StorageError
+from pipelines.core.fetch import fetch
 from pipelines.core.s3 import parse_timestamp, storage_error
 from pipelines.core.storage import LocalStore, S3Settings, open_store, parse_uri, ray_storage
 from pipelines.core.uris import scrub_userinfo, strip_userinfo
@@ -349,3 +350,37 @@ def test_local_listing_survives_a_symlink_loop(tmp_path):
     _put_local(tmp_path, ["a/x.jpg"])
     (tmp_path / "a" / "loop").symlink_to(tmp_path)
     assert [k for page in LocalStore(str(tmp_path)).list_pages() for k in page] == ["a/x.jpg"]
+
+
+def _listed(store):
+    return [entry for page in store.list_entries() for entry in page]
+
+
+def test_a_dangling_symlink_is_listed_and_its_read_rejects_it_with_its_cause(tmp_path):
+    _put_local(tmp_path, ["cat/a.jpg", "dog/b.jpg"])
+    (tmp_path / "cat" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    store = LocalStore(str(tmp_path))
+    assert [key for key, _, _ in _listed(store)] == ["cat/a.jpg", "cat/gone.jpg", "dog/b.jpg"]
+    assert fetch(store, "cat/gone.jpg") == "does not exist"
+
+
+def test_a_dangling_symlink_mended_later_gets_a_new_version(tmp_path):
+    (tmp_path / "gone.jpg").symlink_to(tmp_path / "target.jpg")
+    store = LocalStore(str(tmp_path))
+    before = _listed(store)
+    (tmp_path / "target.jpg").write_bytes(b"img")
+    assert _listed(store) != before and _listed(store)[0][1] == 3
+
+
+def test_a_folder_that_cannot_be_read_fails_the_listing_naming_itself(tmp_path, monkeypatch):
+    _put_local(tmp_path, ["cat/a.jpg", "locked/z.jpg"])
+    scandir = os.scandir
+
+    def refused(path):  # as root, permission bits refuse nothing: the refusal is planted
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with pytest.raises(StorageError, match=rf"^{tmp_path}/locked: permission denied$"):
+        _listed(LocalStore(str(tmp_path)))

@@ -97,6 +97,24 @@ def _is_hidden(key: str) -> bool:
     return any(part.startswith(".") for part in key.split("/"))
 
 
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # cannot tell: listed as a file, whose read then names the cause
+        return False
+
+
+def _size_and_version(entry: os.DirEntry[str]) -> tuple[int, str]:
+    """A listed file's size and version (its mtime). One that cannot be examined (a dangling symlink, a
+    file removed since) is listed without a version, as S3 lists a key its GET then fails on: its read
+    rejects it with its cause, and once readable its new version rereads it."""
+    try:
+        stat = entry.stat()
+    except OSError:
+        return 0, ""
+    return stat.st_size, str(stat.st_mtime_ns)
+
+
 class LocalStore(Store):
     """A local directory; writes go to a temporary name and are renamed into place."""
 
@@ -114,15 +132,11 @@ class LocalStore(Store):
         start = self._path(prefix)
         if prefix and not os.path.isdir(start) and os.path.isdir(self.root):
             return  # like S3: an absent sub-prefix lists nothing
-        try:
-            for key, entry in self._walk(start, prefix, hidden, set()):
-                stat = entry.stat()
-                page.append((key, stat.st_size, str(stat.st_mtime_ns)))
-                if len(page) >= page_size:
-                    yield page
-                    page = []
-        except OSError as exc:
-            raise self.error(exc, prefix) from None
+        for key, entry in self._walk(start, prefix, hidden, set()):
+            page.append((key, *_size_and_version(entry)))
+            if len(page) >= page_size:
+                yield page
+                page = []
         if page:
             yield page
 
@@ -133,8 +147,11 @@ class LocalStore(Store):
         if real in seen:  # a symlink loop
             return
         seen.add(real)
-        with os.scandir(directory) as it:
-            entries = [(e.name + "/" if e.is_dir() else e.name, e) for e in it if hidden or not e.name.startswith(".")]
+        try:  # a folder that cannot be read fails the listing in its own name: its files are unknown
+            with os.scandir(directory) as it:
+                entries = [(e.name + "/" if _is_dir(e) else e.name, e) for e in it if hidden or not e.name.startswith(".")]
+        except OSError as exc:
+            raise self.error(exc, rel) from None
         for sort_key, entry in sorted(entries, key=lambda t: t[0]):
             key = join_key(rel, entry.name)
             if sort_key.endswith("/"):
