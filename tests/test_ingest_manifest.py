@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,10 @@ import pytest
 from PIL import Image
 
 from pipelines.core.errors import IngestError
+from pipelines.core.plan import ListingIndex, seal, tagged
 from pipelines.core.shards import class_names
+from pipelines.core.sources import object_plans
+from pipelines.core.storage import open_store
 from pipelines.image.ingest import run_ingest
 from pipelines.image.configs import IngestConfig
 
@@ -82,8 +86,39 @@ def test_rows_carry_the_manifest_label_and_split(parquet_run):
 def test_a_listed_object_that_does_not_exist_is_rejected_as_missing(parquet_run):
     result, _ = parquet_run
     assert [r["key"] for r in result.manifest["rejected"]] == ["pool/missing.png"]
-    # a permanent error is a rejection with its cause; "unreadable" marks the read errors of earlier versions
-    assert result.manifest["rejected"][0]["reason"] == "does not exist"
+    # refused at planning: with no version to track, a file added later would never rewrite its shard
+    assert result.manifest["rejected"][0]["reason"] == "not in the source listing"
+
+
+def _plans(source: Path, rows: str) -> list[dict]:
+    """The sealed shard plans of a local source under a CSV label manifest of `rows`."""
+    (source.parent / "labels.csv").write_text("key,label\n" + rows)
+    config = SimpleNamespace(list_concurrency=1, shard_size=8, mix_window=1, seed=0)
+    manifest = open_store(str(source.parent / "labels.csv"))
+    return [seal(p, "config") for p in object_plans(config, open_store(str(source)), manifest)]
+
+
+@pytest.mark.parametrize("spelling", ["./cat/a.jpg", "cat//a.jpg", "cat/./a.jpg"])
+def test_a_local_object_whose_manifest_key_is_spelled_otherwise_rewrites_its_shard_when_replaced(tmp_path, spelling):
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    (tmp_path / "src" / "cat" / "a.jpg").write_bytes(b"first")
+    before = _plans(tmp_path / "src", f"{spelling},cat\n")
+    assert before[0]["keys"] == [spelling] and before[0]["reasons"] == [""]  # read as written, like any row
+    (tmp_path / "src" / "cat" / "a.jpg").write_bytes(b"replaced")
+    assert _plans(tmp_path / "src", f"{spelling},cat\n")[0]["fingerprint"] != before[0]["fingerprint"]
+
+
+def test_an_s3_manifest_key_spelled_otherwise_names_another_object_and_is_rejected_unless_listed(s3_env, s3_bucket):
+    client = s3_env.client()
+    for key in ("data/cat/a.jpg", "data/cat//b.jpg"):  # on S3 `cat//b.jpg` is a key of its own
+        client.put_object(Bucket=s3_bucket, Key=key, Body=b"img")
+    source = open_store(f"s3://{s3_bucket}/data")
+    rows = [(key, 0, "", "cat", "") for key in ("cat/a.jpg", "./cat/a.jpg", "cat//a.jpg", "cat//b.jpg", "cat/b.jpg")]
+    items = list(tagged(iter(rows), ListingIndex(source.list_entries()), source))
+    assert [(key, reason, bool(tag)) for key, _, _, _, reason, tag in items] == [
+        ("cat/a.jpg", "", True), ("./cat/a.jpg", "not in the source listing", False),
+        ("cat//a.jpg", "not in the source listing", False), ("cat//b.jpg", "", True),
+        ("cat/b.jpg", "not in the source listing", False)]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 A plan is a JSON-able dict: the shard's name, the keys of one shard with their
 labels, fixed splits (or "" for hash splits), class names, each object's version
 tag (a digest of its size and ETag or mtime), and a rejection reason for items
-refused before any read (a file outside a class folder, an unsafe manifest key).
+refused before any read (a file outside a class folder, an unsafe manifest key, a manifest
+key the listing lacks).
 
 Shard assignment is local, so a changed input rewrites few shards: the item
 stream is cut into windows at *content-defined* boundaries (a key whose hash
@@ -30,7 +31,8 @@ from pipelines.core.storage import Entry, Store
 # A row is (key, label, split or "", class name, reason); a non-empty reason rejects it at planning.
 # The label is None in an unlabeled ingest.
 Row = tuple[str, int | None, str, str, str]
-# An item is a row plus the object's version tag (`version_tag`; "" when the object is not listed).
+# An item is a row plus the object's version tag (`version_tag`; "" when the object is not listed, and
+# then the row is rejected).
 Item = tuple[str, int | None, str, str, str, str]
 
 # A window is cut short at this many times its expected size, only to bound memory.
@@ -85,10 +87,14 @@ class ListingIndex:
         return f"{int(self.tags[i]):016x}" if i < len(self.keys) and self.keys[i] == h else ""
 
 
-def tagged(rows: Iterator[Row], index: ListingIndex) -> Iterator[Item]:
-    """Manifest rows with the version tag of the object each names."""
-    for row in rows:
-        yield (*row, index.tag(row[0]))
+def tagged(rows: Iterator[Row], index: ListingIndex, source: Store) -> Iterator[Item]:
+    """Manifest rows with the version tag of the object each names, found under the key the source
+    lists it by (locally `./cat/a.jpg` is `cat/a.jpg`). A row whose object the listing lacks (missing,
+    a hidden name, another spelling of an S3 key) is rejected: with no version to track, a later change
+    to the object would never rewrite its shard."""
+    for key, label, split, name, reason in rows:
+        tag = index.tag(source.listed_key(key))
+        yield key, label, split, name, reason or ("" if tag else "not in the source listing"), tag
 
 
 def _key_hash(key: str) -> int:

@@ -37,7 +37,7 @@ def object_plans(
     label manifest tagged from one listing of the source, or (unlabeled) every object under it."""
     pages = listing.source_entries(source, width=config.list_concurrency)
     if manifest is not None:
-        items = ingest_plan.tagged(ingest_plan.manifest_items(manifest), ingest_plan.ListingIndex(pages))
+        items = ingest_plan.tagged(ingest_plan.manifest_items(manifest), ingest_plan.ListingIndex(pages), source)
     elif labeled:
         items = ingest_plan.folder_items(pages)
     else:

@@ -89,6 +89,11 @@ class Store:
     def child_uri(self, key: str) -> str:
         return f"{self.uri.rstrip('/')}/{key}" if key else self.uri
 
+    def listed_key(self, key: str) -> str:
+        """The key under which the listing holds the object a read of `key` reaches (S3: `key` itself;
+        `a//b` is another object than `a/b` there)."""
+        return key
+
     def error(self, exc: BaseException, key: str = "") -> StorageError:
         return storage_error(self.child_uri(key), exc, getattr(self, "settings", None))
 
@@ -121,6 +126,10 @@ class LocalStore(Store):
     def __init__(self, root: str) -> None:
         self.root = root
         self.uri = root
+
+    def listed_key(self, key: str) -> str:
+        # A read joins the parts of `key`, so `./a.jpg` and `cat//a.jpg` reach `a.jpg` and `cat/a.jpg`.
+        return "/".join(part for part in key.split("/") if part not in ("", "."))
 
     def _path(self, key: str) -> str:
         if key.startswith("/") or ".." in key.split("/"):
