@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 import yaml
 
 from pipelines.core.errors import VitpipeError
-from pipelines.core.logfile import redact_argv
+from pipelines.core.logfile import is_secret_name, redact_argv
 from pipelines.core.uris import strip_userinfo
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +39,6 @@ AGENT_WAIT_S = 60.0
 # purpose: it names a profile in the submitter's ~/.aws, and botocore fails on a node that lacks that profile
 # instead of using the node's own credentials. Pass it with --env where the nodes have the profile.
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
-# Names of credentials: AWS keys and session tokens, MLflow's password and token, Ray's own token.
-_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|SESSION_KEY|API_KEY|PRIVATE_KEY", re.I)
 
 
 class JobError(VitpipeError):
@@ -87,7 +84,7 @@ def _call(address: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def check_env(env: Mapping[str, str], where: str) -> dict[str, str]:
     """`env` as strings, refused in one line if a name is a credential's or a value carries `user:password@`."""
     for name, value in env.items():
-        if _SECRET_NAME.search(str(name)):
+        if is_secret_name(str(name)):
             raise JobError(f"{where}: {name} is a credential; jobs never carry credentials "
                            "(give the cluster its own: an instance role or a secret on its nodes)")
         if strip_userinfo(str(value)) != str(value):

@@ -18,9 +18,11 @@ from pipelines.core.logfile import redact_argv
 def test_redact_argv_strips_uri_userinfo_and_credential_values_but_not_lookalikes():
     argv = ["run", "s.yaml", "--set", "tracking_uri=http://bob:hunter2@mlflow:5000", "--set", "x.aws_secret_access_key=S3KR1T",
             "--set", "db.password=pw", "--set", "pretrain.model_overrides.class_token=false", "s3://AK:SK@bucket/p"]
-    assert redact_argv(argv) == ["run", "s.yaml", "--set", "tracking_uri=http://mlflow:5000", "--set",
-                                 "x.aws_secret_access_key=***", "--set", "db.password=***", "--set",
-                                 "pretrain.model_overrides.class_token=false", "s3://bucket/p"]
+    lookalikes = ["--set", "x.global_tokens=4", "--set", "x.num_tokens=8", "--set", "x.mask_token=true",
+                  "--set", "x.patch_key=k", "--set", "x.max_tokens=9"]
+    assert redact_argv(argv + lookalikes) == [
+        "run", "s.yaml", "--set", "tracking_uri=http://mlflow:5000", "--set", "x.aws_secret_access_key=***", "--set",
+        "db.password=***", "--set", "pretrain.model_overrides.class_token=false", "s3://bucket/p", *lookalikes]
 
 
 def test_the_command_log_records_argv_without_secrets(tmp_path):
@@ -51,3 +53,23 @@ def test_vitpipe_run_prints_the_tracking_uri_without_its_password(ray_cluster, m
     result = CliRunner().invoke(app, ["run", str(path)])
     assert result.exit_code == 0, result.output
     assert f"in {mlflow_server}" in result.output and "hunter2" not in result.output
+
+
+def test_redact_argv_hides_every_kind_of_token_key_password_and_secret():
+    argv = ["--env", "HF_TOKEN=t2", "--env", "MLFLOW_TRACKING_TOKEN=tok", "--set", "x.api_token=t3",
+            "--env", "GITHUB_API_KEY=k1", "--set", "db.admin_password=p1", "--set", "x.client_secret=s1"]
+    assert redact_argv(argv) == ["--env", "HF_TOKEN=***", "--env", "MLFLOW_TRACKING_TOKEN=***", "--set",
+                                 "x.api_token=***", "--env", "GITHUB_API_KEY=***", "--set", "db.admin_password=***",
+                                 "--set", "x.client_secret=***"]
+
+
+def test_no_field_of_a_model_or_stage_config_counts_as_a_credential():
+    from dataclasses import fields
+
+    from pipelines.core.logfile import is_secret_name
+    from pipelines.stages import STAGES
+    from vit.config import ResNetStemConfig, ViTConfig
+
+    names = {f.name for config in (ViTConfig, ResNetStemConfig) for f in fields(config)}
+    names |= {name for stage in STAGES.values() for name in stage.config_model.model_fields}
+    assert "class_token" in names and not [name for name in names if is_secret_name(name)]

@@ -17,17 +17,27 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TextIO
 
+from pipelines.core.uris import scrub_userinfo
+
 LOG_DIR_ENV = "VITPIPE_LOG_DIR"
 ARTIFACT_BARS_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# `user:password@` after any `scheme://`, wherever it sits in an argument (`--set tracking_uri=...`).
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
-# The last part of a `--set KEY=VALUE` key that names a credential (exact names: `class_token` is no secret).
-_SECRET_NAME = re.compile(
-    r"(^|_)(password|passwd|secret|secret_key|secret_access_key|access_key_id|session_token|auth_token|"
-    r"access_token|api_key|credentials?)$|^token$",
+# A credential's name: one of its words (split at `_`, `-`, `.`) names a password, secret, token or
+# credentials, or a kind of key that is one (`access_key`, `api_key`). Whole words, any case: `num_tokens`
+# and `patch_key` are no secrets, and neither are the tokens of a model (`class_token`, `mask_token`).
+_SECRET_WORD = re.compile(
+    r"(?:^|[_.-])(?:password|passwd|secret|token|credentials?|(?:access|secret|api|private|session|signing)_?key)"
+    r"(?:[_.-]|$)",
     re.IGNORECASE,
 )
+_MODEL_TOKEN = re.compile(r"(?:^|[_.-])(?:class|cls|mask|pad|bos|eos|sep|unk|dist|register|prefix)_tokens?$",
+                          re.IGNORECASE)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether `name` (an environment variable, a config key) names a credential, as `AWS_SECRET_ACCESS_KEY`,
+    `MLFLOW_TRACKING_TOKEN` or `db.password` do; `class_token` or `num_tokens` do not."""
+    return bool(_SECRET_WORD.search(name)) and not _MODEL_TOKEN.search(name)
 
 
 def redact_argv(argv: list[str]) -> list[str]:
@@ -36,9 +46,9 @@ def redact_argv(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, sep, _ = arg.partition("=")
-        if sep and _SECRET_NAME.search(key.lstrip("-").rsplit(".", 1)[-1]):
+        if sep and is_secret_name(key.lstrip("-").rsplit(".", 1)[-1]):
             arg = f"{key}=***"
-        out.append(_USERINFO.sub(r"\1", arg))
+        out.append(scrub_userinfo(arg))
     return out
 
 
