@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 from pipelines.core.errors import VitpipeError
 from pipelines.core.logfile import ray_logs_dir, redact_argv, start_log_file
 from pipelines.core.stopping import handle_sigterm, stop_signal
+from pipelines.core.uris import scrub_userinfo
 
 
 def one_line(err: BaseException) -> str:
@@ -63,8 +64,10 @@ _log_file: Path | None = None  # this command's log (pipelines.core.logfile)
 
 
 def fail(message: str) -> None:
-    """Print `error: <message>` and where the details are, and exit with status 1."""
-    typer.echo(f"error: {message}{_where()}", err=True)
+    """Print `error: <message>` (any URL's `user:password@` removed) and where the details are, and exit with
+    status 1."""
+    # The last point before the terminal: a library's error quotes the URL it was given, password and all.
+    typer.echo(f"error: {scrub_userinfo(message)}{_where()}", err=True)
     raise typer.Exit(1)
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from pipelines import jobs
+from pipelines.core.uris import strip_userinfo
 
 _ADDRESS = typer.Option(..., "--address", envvar="RAY_ADDRESS",
                        help="The cluster's dashboard, e.g. http://HEAD:8265 (default: RAY_ADDRESS).")
@@ -71,7 +72,7 @@ def follow_job(address: str, job_id: str) -> None:
         raise typer.Exit(130) from None
     final = jobs.status(address, job_id)
     if final != "SUCCEEDED":
-        typer.echo(f"error: job {job_id} {final}; logs: vitpipe logs {job_id} --address {address}", err=True)
+        typer.echo(f"error: job {job_id} {final}; logs: vitpipe logs {job_id} --address {strip_userinfo(address)}", err=True)
         raise typer.Exit(1)
 
 

@@ -28,7 +28,7 @@ import yaml
 
 from pipelines.core.errors import VitpipeError
 from pipelines.core.logfile import is_secret_name, redact_argv
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import scrub_userinfo, strip_userinfo
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Shipped to the cluster: code, specs, configs. Not history, data, runs or build output.
@@ -61,11 +61,11 @@ def _client(address: str) -> Any:
     try:
         return JobSubmissionClient(address)
     except Exception as err:  # connection refused, 401 without/with a wrong token, bad address
-        raise JobError(f"Ray cluster at {address}: {_cause(err)}") from None
+        raise JobError(f"Ray cluster at {strip_userinfo(address)}: {_cause(err)}") from None
 
 
 def _cause(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
+    text = scrub_userinfo(" ".join(str(err).split())) or type(err).__name__  # Ray's errors repeat the address
     lowered = text.lower()
     if "401" in text or "unauthorized" in lowered or ("auth" in lowered and "token" in lowered):
         return "refused: the Ray auth token is missing or wrong (set RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
@@ -78,7 +78,7 @@ def _call(address: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     except VitpipeError:
         raise
     except Exception as err:
-        raise JobError(f"Ray cluster at {address}: {what}: {_cause(err)}") from None
+        raise JobError(f"Ray cluster at {strip_userinfo(address)}: {what}: {_cause(err)}") from None
 
 
 def check_env(env: Mapping[str, str], where: str) -> dict[str, str]:
@@ -176,7 +176,7 @@ def submit(address: str, command: Sequence[str], *, job_id: str | None = None,
         except Exception as err:
             # A head that has just started answers before its job agent is up: wait for it, briefly.
             if "No available agent" not in str(err) or time.monotonic() > deadline:
-                raise JobError(f"Ray cluster at {address}: submit: {_cause(err)}") from None
+                raise JobError(f"Ray cluster at {strip_userinfo(address)}: submit: {_cause(err)}") from None
             time.sleep(2)
 
 
@@ -229,7 +229,7 @@ def follow(address: str, job_id: str, show: Callable[[str], None]) -> None:
             async for chunk in client.tail_job_logs(job_id):
                 show(chunk)
         except Exception as err:  # an unknown job, a lost connection, a refused token
-            raise JobError(f"Ray cluster at {address}: logs of job {job_id}: {_cause(err)}") from None
+            raise JobError(f"Ray cluster at {strip_userinfo(address)}: logs of job {job_id}: {_cause(err)}") from None
 
     asyncio.run(tail())
 

@@ -21,7 +21,7 @@ from typing import Any
 from pipelines.core import run_open, run_owner, tracking
 from pipelines.core.errors import VitpipeError, error_line
 from pipelines.core.cluster import connect
-from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, scrub_userinfo, strip_userinfo
 from pipelines.spec import PipelineSpec, check_forced
 from pipelines.stages import STAGES
 
@@ -169,6 +169,7 @@ def _stage_row(context: _Context, name: str, forced: str) -> StageRow:
     except Exception as err:  # noqa: BLE001  (one stage's failure, whatever it is, must not stop the others)
         known = isinstance(err, (VitpipeError, ValueError))  # already one line naming the thing
         message = (str(err).splitlines() or [type(err).__name__])[0] if known else error_line(err)
+        message = scrub_userinfo(message)  # it goes to the printed table and MLflow's summary.txt and .json
         logger.error("stage %s failed: %s", name, message)
         logger.debug("stage %s failed", name, exc_info=True)  # the traceback goes to the command's log file
         return StageRow(name, kind, "failed", time.monotonic() - start, error=message)

@@ -6,8 +6,9 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from pipelines import __version__
+from pipelines import __version__, jobs
 from pipelines.cli import app
+from pipelines.cli_jobs import follow_job
 
 
 @pytest.fixture
@@ -109,3 +110,13 @@ def test_a_bad_stage_config_is_refused_before_submitting(tmp_path) -> None:
     assert result.exit_code == 1
     [line] = result.output.strip().splitlines()
     assert "evaluate config: shots is empty" in line
+
+
+
+def test_an_unfinished_job_points_at_its_logs_without_the_address_password(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(jobs, "follow", lambda address, job_id, show: None)
+    monkeypatch.setattr(jobs, "status", lambda address, job_id: "FAILED")
+    with pytest.raises(typer.Exit):
+        follow_job("http://u:s3cret@head:8265", "j1")
+    err = capsys.readouterr().err
+    assert "vitpipe logs j1 --address http://head:8265" in err and "s3cret" not in err

@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -55,6 +57,25 @@ def test_vitpipe_run_prints_the_tracking_uri_without_its_password(ray_cluster, m
     assert f"in {mlflow_server}" in result.output and "hunter2" not in result.output
 
 
+def _vitpipe(tmp_path: Path, *args: str) -> tuple[str, str]:
+    """`vitpipe ARGS` in a fresh interpreter that fails fast on a closed port: its stderr and its command log."""
+    env = {**os.environ, "VITPIPE_LOG_DIR": str(tmp_path / "logs"), "PYTHONPATH": os.getcwd(),
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    [log] = (tmp_path / "logs").iterdir()
+    return proc.stderr, log.read_text()
+
+
+def _spec(tmp_path: Path) -> str:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "storage": {"root": str(tmp_path / "work")},
+                                    "tracking_uri": "http://127.0.0.1:1",
+                                    "stages": {"corpus": {"kind": "ingest", "source": str(tmp_path / "corpus")}}}))
+    return str(path)
+
+
 def test_redact_argv_hides_every_kind_of_token_key_password_and_secret():
     argv = ["--env", "HF_TOKEN=t2", "--env", "MLFLOW_TRACKING_TOKEN=tok", "--set", "x.api_token=t3",
             "--env", "GITHUB_API_KEY=k1", "--set", "db.admin_password=p1", "--set", "x.client_secret=s1"]
@@ -73,3 +94,40 @@ def test_no_field_of_a_model_or_stage_config_counts_as_a_credential():
     names = {f.name for config in (ViTConfig, ResNetStemConfig) for f in fields(config)}
     names |= {name for stage in STAGES.values() for name in stage.config_model.model_fields}
     assert "class_token" in names and not [name for name in names if is_secret_name(name)]
+
+
+def test_an_unexpected_error_shows_no_password_on_the_terminal_or_in_the_log(tmp_path):
+    # MLflow's own error quotes the tracking URI it was given, password included.
+    stderr, log = _vitpipe(tmp_path, "runs", "--tracking-uri", "http://alice:s3cret@127.0.0.1:1")
+    assert "MlflowException: API request to http://127.0.0.1:1/" in stderr
+    assert "Traceback" in log and "http://127.0.0.1:1/" in log
+    assert "s3cret" not in stderr and "s3cret" not in log
+
+
+def test_an_unsupported_scheme_is_named_without_the_uris_password():
+    from pipelines.core.storage import parse_uri
+
+    with pytest.raises(ValueError, match="unsupported scheme") as refused:
+        parse_uri("http://alice:pw1@h/m.csv")
+    assert "http://h/m.csv" in str(refused.value) and "pw1" not in str(refused.value)
+
+
+def test_a_jobs_api_error_names_the_cluster_without_its_password():
+    from pipelines import jobs
+
+    with pytest.raises(jobs.JobError, match=r"Ray cluster at http://127\.0\.0\.1:1: ") as refused:
+        jobs.status("http://u:s3cret@127.0.0.1:1", "abc")  # a closed port: Ray's error repeats the address
+    assert "s3cret" not in str(refused.value)
+
+
+def test_a_failed_stage_keeps_no_password_in_its_summary_row(monkeypatch):
+    from pipelines import runner
+
+    def fail(*args):
+        raise RuntimeError("API request to http://alice:s3cret@mlflow:5000/api failed")
+
+    monkeypatch.setattr(runner, "_run_stage", fail)
+    spec = SimpleNamespace(stages={"a": SimpleNamespace(kind="pretrain")}, upstream=lambda name: [])
+    context = SimpleNamespace(spec=spec, pipeline=SimpleNamespace(outputs={}))
+    row = runner._stage_row(context, "a", forced="")
+    assert row.status == "failed" and "http://mlflow:5000/api" in row.error and "s3cret" not in row.error

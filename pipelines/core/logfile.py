@@ -3,7 +3,9 @@
 Every command writes vitpipe's own log records (DEBUG and up, tracebacks included)
 to `$VITPIPE_LOG_DIR/vitpipe-<time>-<pid>.log` (default `~/.vitpipe/logs`). Only
 the `vitpipe` logger goes there, never the root logger, so that third-party debug
-output (request headers of S3 clients, for one) cannot carry credentials into it.
+output (request headers of S3 clients, for one) cannot carry credentials into it;
+and every record is scrubbed of URLs' `user:password@` (`ScrubCredentials`), in the
+file and on stderr, whatever library error it quotes.
 """
 
 from __future__ import annotations
@@ -52,6 +54,27 @@ def redact_argv(argv: list[str]) -> list[str]:
     return out
 
 
+class ScrubCredentials(logging.Filter):
+    """Removes the `user:password@` of every URL from a record's message, traceback and stack before a
+    handler writes it: a library's error (MLflow's, Ray's) quotes the URL it was given, password and all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            record.msg, record.args = scrub_userinfo(record.getMessage()), None
+        except Exception:  # a malformed record: logging reports it itself when the handler formats it
+            return True
+        if record.exc_info and not record.exc_text:
+            record.exc_text = _TRACEBACKS.formatException(record.exc_info)  # as the handler would, then scrubbed
+        if record.exc_text:
+            record.exc_text = scrub_userinfo(record.exc_text)
+        if record.stack_info:
+            record.stack_info = scrub_userinfo(record.stack_info)
+        return True
+
+
+_TRACEBACKS = logging.Formatter()
+
+
 def log_dir() -> Path:
     """Where command logs go: `$VITPIPE_LOG_DIR`, else `~/.vitpipe/logs`."""
     return Path(os.environ.get(LOG_DIR_ENV) or Path.home() / ".vitpipe" / "logs")
@@ -74,6 +97,7 @@ def console_handler() -> logging.Handler:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.setLevel(logging.WARNING)
+    handler.addFilter(ScrubCredentials())
     handler._vitpipe_console = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.propagate = False  # a root handler (some libraries add one) would print every line twice
@@ -96,6 +120,7 @@ def start_log_file() -> Path | None:
     except OSError:
         return None
     handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.addFilter(ScrubCredentials())
     handler.setLevel(logging.DEBUG)
     logger = logging.getLogger("vitpipe")
     logger.addHandler(handler)

@@ -82,7 +82,7 @@ def parse_uri(uri: str) -> Location:
     if scheme == "file":
         return Location("file", "", os.path.abspath(parts.path or "/"))
     if not is_s3_uri(uri):
-        raise ValueError(f"{uri}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
+        raise ValueError(f"{strip_userinfo(uri)}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
     if "@" in parts.netloc:
         raise ValueError(f"{strip_userinfo(uri)}: credentials in the URI are refused; use the AWS environment or profile")
     bucket = parts.netloc
