@@ -199,7 +199,7 @@ def video_ingest(
 def _run_ingest(kind: str, fields: dict[str, Any], ray_address: Optional[str], as_json: bool) -> None:
     """Validate and run an ingest kind from its command's options; print what it wrote (or found complete)."""
     stage = STAGES[kind]
-    config = stage.config_model(**fields)
+    config = load_stage_config(stage.config_model, kind, fields, {})  # one line; pydantic's own error echoes the value
     _log_progress()
     _init_ray(ray_address)
     result = stage.run(config)

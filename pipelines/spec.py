@@ -264,9 +264,10 @@ class PipelineSpec(BaseModel):
             return STAGES[self.stages[name].kind].config_model.model_validate(config)
         except ValidationError as err:
             first = err.errors()[0]
-            field = ".".join(str(p) for p in first["loc"])
-            where = f"stage '{name}'" + (f" field '{field}'" if field else "")
-            self._fail(where, str(first["msg"]).removeprefix("Value error, "))
+        # Raised outside the `except`: chained, pydantic's error (which echoes the value) would reach the log.
+        field = ".".join(str(p) for p in first["loc"])
+        where = f"stage '{name}'" + (f" field '{field}'" if field else "")
+        self._fail(where, str(first["msg"]).removeprefix("Value error, "))
 
     def _check_key(self, kind: str, key: str, where: str) -> None:
         if key in PIPELINE_OWNED:

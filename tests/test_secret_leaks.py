@@ -104,6 +104,22 @@ def test_an_unexpected_error_shows_no_password_on_the_terminal_or_in_the_log(tmp
     assert "s3cret" not in stderr and "s3cret" not in log
 
 
+def test_a_spec_value_refused_by_validation_is_not_echoed_into_the_log(tmp_path):
+    # pydantic's own error repeats the refused value; the one-line refusal does not.
+    stderr, log = _vitpipe(tmp_path, "run", _spec(tmp_path), "--set", "corpus.manifest=s3://AKIAXXX:secretkey2@bucket/x")
+    assert "field 'manifest': s3://bucket/x: credentials in the URI are refused" in stderr
+    assert "credentials in the URI are refused" in log and "validation error for" not in log
+    assert "secretkey2" not in stderr and "secretkey2" not in log
+
+
+def test_an_ingest_option_refused_by_validation_is_not_echoed_into_the_log(tmp_path):
+    stderr, log = _vitpipe(tmp_path, "ingest", str(tmp_path / "corpus"), str(tmp_path / "out"),
+                           "--manifest", "s3://AKIAXXX:secretkey3@bucket/x")
+    assert "error: ingest config: manifest: s3://bucket/x: credentials in the URI are refused" in stderr
+    assert "credentials in the URI are refused" in log and "validation error for" not in log
+    assert "secretkey3" not in stderr and "secretkey3" not in log
+
+
 def test_an_unsupported_scheme_is_named_without_the_uris_password():
     from pipelines.core.storage import parse_uri
 
