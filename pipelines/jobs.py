@@ -87,8 +87,8 @@ def check_env(env: Mapping[str, str], where: str) -> dict[str, str]:
         if is_secret_name(str(name)):
             raise JobError(f"{where}: {name} is a credential; jobs never carry credentials "
                            "(give the cluster its own: an instance role or a secret on its nodes)")
-        if strip_userinfo(str(value)) != str(value):
-            raise JobError(f"{where}: {name}={strip_userinfo(str(value))} carries user:password@; jobs never "
+        if scrub_userinfo(str(value)) != str(value):  # anywhere in it: PIP_EXTRA_INDEX_URL holds several URLs
+            raise JobError(f"{where}: {name}={scrub_userinfo(str(value))} carries user:password@; jobs never "
                            "carry credentials (use MLflow's or the server's own auth on the cluster)")
     return {str(name): str(value) for name, value in env.items()}
 
@@ -116,7 +116,8 @@ def parse_env(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def load_runtime_env(path: str) -> dict[str, Any]:
-    """A runtime env from a YAML/JSON file (Ray's own keys: pip, env_vars, py_modules, ...)."""
+    """A runtime env from a YAML/JSON file (Ray's own keys: pip, env_vars, py_modules, ...), refused in one line
+    if any of its strings carries a credential: Ray shows a job's runtime env to anyone who lists jobs."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -128,7 +129,27 @@ def load_runtime_env(path: str) -> dict[str, Any]:
     env_vars = data.get("env_vars", {})
     if not isinstance(env_vars, dict):
         raise JobError(f"--runtime-env {path}: env_vars must be a mapping of NAME: value")
-    return {**data, "env_vars": check_env(env_vars, f"--runtime-env {path}")} if env_vars else data
+    checked = {**data, "env_vars": check_env(env_vars, f"--runtime-env {path}")} if env_vars else data
+    field = _field_with_userinfo(checked)  # pip, conda, py_modules...: Ray shows the whole runtime env too
+    if field:
+        raise JobError(f"--runtime-env {path}: {field} carries user:password@; jobs never carry credentials "
+                       "(give the cluster its own: a pip.conf, a netrc or a secret on its nodes)")
+    return checked
+
+
+def _field_with_userinfo(value: Any, where: str = "") -> str | None:
+    """The first place in `value` (nested mappings and lists) where a string holds a URL's `user:password@`,
+    as `pip[0]` or `conda.channels[1]`; None when there is none."""
+    if isinstance(value, str):
+        return where if scrub_userinfo(value) != value else None
+    if isinstance(value, dict):
+        items = [(f"{where}.{key}" if where else str(key), item) for key, item in value.items()]
+        items += [(f"{where} key" if where else "a key", key) for key in value]  # keys are shown as well
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{where}[{i}]", item) for i, item in enumerate(value)]
+    else:
+        return None
+    return next((found for place, item in items if (found := _field_with_userinfo(item, place))), None)
 
 
 def job_runtime_env(extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """The job commands' options, checked before any cluster is reached: one flag for the cluster, the version,
 and credentials refused in one line."""
 
+from pathlib import Path
+
 import pytest
 import typer
 import yaml
@@ -111,6 +113,34 @@ def test_a_bad_stage_config_is_refused_before_submitting(tmp_path) -> None:
     [line] = result.output.strip().splitlines()
     assert "evaluate config: shots is empty" in line
 
+
+def _log_file(output: str) -> Path:
+    return Path(output.split("(log: ", 1)[1].split(")", 1)[0].split(";")[0])
+
+
+def test_an_env_value_with_a_password_in_a_later_url_is_refused_in_one_line(tracked_spec, tmp_path,
+                                                                              monkeypatch) -> None:
+    monkeypatch.setenv("VITPIPE_LOG_DIR", str(tmp_path / "logs"))
+    urls = "https://pypi.org/simple https://alice:s3cret@pkgs.example.com/simple"
+    result = CliRunner().invoke(app, ["submit", str(tracked_spec), "--address", "http://127.0.0.1:9",
+                                      "--env", f"PIP_EXTRA_INDEX_URL={urls}"])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: --env: PIP_EXTRA_INDEX_URL=https://pypi.org/simple https://pkgs.example.com/simple "
+                           "carries user:password@")
+    assert "s3cret" not in result.output and "s3cret" not in _log_file(line).read_text()
+
+
+def test_a_runtime_env_pip_url_with_a_password_is_refused_in_one_line(tracked_spec, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VITPIPE_LOG_DIR", str(tmp_path / "logs"))
+    runtime_env = tmp_path / "runtime_env.yaml"
+    runtime_env.write_text(yaml.safe_dump({"pip": ["numpy", "git+https://alice:ghp_SECRET@github.com/org/x.git"]}))
+    result = CliRunner().invoke(app, ["submit", str(tracked_spec), "--address", "http://127.0.0.1:9",
+                                      "--runtime-env", str(runtime_env)])
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"error: --runtime-env {runtime_env}: pip[1] carries user:password@")
+    assert "ghp_SECRET" not in result.output and "ghp_SECRET" not in _log_file(line).read_text()
 
 
 def test_an_unfinished_job_points_at_its_logs_without_the_address_password(monkeypatch, capsys) -> None:
