@@ -147,3 +147,12 @@ def test_a_failed_stage_keeps_no_password_in_its_summary_row(monkeypatch):
     context = SimpleNamespace(spec=spec, pipeline=SimpleNamespace(outputs={}))
     row = runner._stage_row(context, "a", forced="")
     assert row.status == "failed" and "http://mlflow:5000/api" in row.error and "s3cret" not in row.error
+
+
+def test_an_error_line_from_a_ray_failure_keeps_no_password():
+    from pipelines.core.errors import error_line
+
+    wrapped = RuntimeError("ray.exceptions.RayTaskError(OSError): ray::trial() (pid=1)\n  OSError: "
+                           "When reading s3://b/k from https://minio:" + "p" * 290 + "@h:9000/b/k: timeout")
+    line = error_line(wrapped)
+    assert line.startswith("OSError: When reading s3://b/k from https://h:9000/b/k") and "ppp" not in line

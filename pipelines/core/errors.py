@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from pipelines.core.uris import scrub_userinfo
+
 
 class VitpipeError(Exception):
     """An error whose message is the single line shown to the user."""
@@ -96,13 +98,14 @@ _WRAPPERS = ("RayTaskError", "TrainingFailedError", "TuneError", "WorkerGroupErr
 
 def error_line(error: object) -> str:
     """One line for an error from Ray (a failed trial, a training run, a task): the innermost `Type: message`
-    of its traceback, not Ray's wrappers; a `VitpipeError` behind them is given as it is."""
+    of its traceback, not Ray's wrappers; a `VitpipeError` behind them is given as it is. No URL in it keeps
+    its `user:password@`: the line is printed, logged and tagged on MLflow runs."""
     if error is None:
         return "unknown error"
     ours = find_vitpipe_error(error) if isinstance(error, BaseException) else None
     if ours is not None:
-        return f"{type(ours).__name__}: {ours}"
-    text = str(error)
+        return scrub_userinfo(f"{type(ours).__name__}: {ours}")
+    text = scrub_userinfo(str(error))  # before the cut at 300 characters, which could part a password from its @
     found = re.findall(r"(?:^|\s)([A-Za-z_][\w.]*(?:Error|Exception)): (.+)", text)
     inner = [(kind, msg) for kind, msg in found if not kind.rsplit(".", 1)[-1].startswith(_WRAPPERS)]
     if inner:
