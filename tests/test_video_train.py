@@ -290,6 +290,19 @@ def test_bad_config_is_a_one_line_error(tmp_path, change, words):
     assert words in message
 
 
+def test_a_learned_temporal_table_shorter_than_the_stored_videos_is_refused_before_ray_starts(
+        video_data, backbone_run, monkeypatch):
+    def tripwire(*args, **kwargs):
+        raise AssertionError("Ray was started for a config that cannot train")
+
+    monkeypatch.setattr("pipelines.video.train.connect", tripwire)
+    with pytest.raises(ValueError, match=r"^vtn\.max_frames: the learned temporal table has 4 positions, but .* "
+                                         r"stores up to 8 frames a video"):
+        base = stage_config(video_data, backbone_run)
+        learned = {"vtn": {**base.vtn, "max_frames": 4}, "temporal_pos_embed": "learned"}
+        run_video_train(base.model_copy(update=learned))
+
+
 def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     path = tmp_path / "video.yaml"
     path.write_text(f"data: {tmp_path}\nbackbone: ViT-Ti/16\nsteps: 10\nfreeze_backbone: maybe\n")

@@ -86,6 +86,7 @@ def write_video_shards(out: str | Path, *, videos: int = 48, size: int = 32, fra
         "sampling": {"mode": "full", "max_frames": frames[1]}, "classes": CLASSES, "num_classes": len(CLASSES),
         "counts": {**{name: counts.get(name, 0) for name in shards.SPLITS}, "videos": videos, "rejected": 0},
         "rejected": [], "shards": listed,
+        "stats": {"stored_frames": list(frames), "source_frames": list(frames), "fps": []},  # as ingest writes them
     }
     (out / shards.MANIFEST).write_text(json.dumps(manifest, indent=2))
     (out / shards.SUCCESS).write_text("{}")

@@ -175,7 +175,23 @@ def _training_data(config: VideoTrainConfig) -> tuple[VideoTrainConfig, dict[str
     if split_count(manifest, config.eval_split) == 0:
         other = "val" if config.eval_split == "test" else "test"
         raise ValueError(f"eval_split: the data holds no {config.eval_split!r} videos (try eval_split: {other})")
+    _check_positions(config, manifest)
     return config, manifest, features
+
+
+def _check_positions(config: VideoTrainConfig, manifest: dict[str, Any]) -> None:
+    """A learned temporal table must cover every stored frame's position (the VTN's inputs): otherwise the
+    first long video fails inside a Ray Train worker, after the cluster has started and the model is built."""
+    stored = manifest.get("stats", {}).get("stored_frames") or []
+    if config.temporal_pos_embed != "learned" or not stored:
+        return
+    table = int(config.vtn.get("max_frames", vit.vtn.VTNConfig.max_frames))
+    if int(stored[1]) > table:
+        raise ValueError(
+            f"vtn.max_frames: the learned temporal table has {table} positions, but {strip_userinfo(config.data)} "
+            f"stores up to {int(stored[1])} frames a video (set vtn: {{max_frames: {int(stored[1])}}}, "
+            "or temporal_pos_embed: sincos)"
+        )
 
 
 def _run_tags(config: VideoTrainConfig, manifest: dict[str, Any], backbone: Origin) -> dict[str, str]:
