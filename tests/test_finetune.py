@@ -36,7 +36,7 @@ from pipelines.core.errors import VitpipeError
 from pipelines.image.finetune import FinetuneResult, run_finetune
 from pipelines.image.configs import FinetuneConfig
 from pipelines.image.finetune_trial import latest_checkpoint
-from pipelines.image.labeled_rows import DataSpec, load_rows, train_dataset
+from pipelines.image.labeled_rows import DataSpec, augment_config, load_rows, train_dataset
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.process_output import result_json
 from tests.fault_proxy import FaultProxy
@@ -344,6 +344,20 @@ def test_streamed_training_rows_are_the_in_memory_training_rows_without_the_mini
 
     assert len(streamed) == len(labels) < read_manifest(digits_data)["counts"]["train"]
     assert rows((r["patches"], r["label"]) for r in streamed) == rows(zip(patches, labels))
+
+
+def test_streamed_training_passes_repeat_from_their_seed_each_with_its_own_order_and_crops(digits_data, ray_cluster):
+    data = DataSpec(digits_data, read_manifest(digits_data), holdout=0.1)
+
+    def passes(seed: int) -> list[str]:
+        ds = train_dataset(data, size=DIGITS_SIZE, aug=augment_config(0.5, True), seed=seed, epochs=2)
+        ds.context.execution_options.preserve_order = True  # as a trial's Train run reads it
+        return [hashlib.sha256(np.ascontiguousarray(r["patches"]).tobytes()).hexdigest() for r in ds.take_all()]
+
+    first, again, other = passes(0), passes(0), passes(1)
+    assert first == again and first != other
+    half = len(first) // 2
+    assert first[:half] != first[half:]
 
 
 def test_a_sweep_streaming_its_training_rows_through_ray_data_trains_every_step(digits_data, pretrained, tmp_path):

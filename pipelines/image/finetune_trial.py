@@ -32,7 +32,9 @@ from torch import nn
 
 import vit
 from pipelines.core import tracking
-from pipelines.image.labeled_rows import DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset
+from pipelines.image.labeled_rows import (
+    DataSpec, augment_config, load_rows, memory_batches, memory_rows, train_dataset, training_rows,
+)
 from pipelines.training.hooks import DRIVER_INPUTS, Batches, LoopHooks, Window
 from pipelines.training.recipe import LoopSettings, Workers
 from pipelines.training.step import StepStats, build_loop_optimizer, load_train_state
@@ -241,12 +243,14 @@ def _fit(ctx: SweepContext, settings: TrialSettings, config: dict[str, Any], nam
     datasets = {}
     if ctx.in_memory:
         inputs[TRAIN_ROWS] = ray.put(memory_rows(ctx.data, size=size, aug=aug))
-    else:
-        datasets["train"] = train_dataset(ctx.data, size=size, aug=aug)
+    else:  # passes enough for every step, read in order: a trial repeats, and a resumed one skips what it trained on
+        global_batch = settings.batch_size_per_worker * ctx.workers.num_workers * settings.grad_accum_steps
+        passes = max(1, -(-settings.steps * global_batch // max(1, training_rows(ctx.data))))
+        datasets["train"] = train_dataset(ctx.data, size=size, aug=aug, seed=settings.seed, epochs=passes)
     trainer = build_trainer(
         {**settings.model_dump(mode="json"), DRIVER_INPUTS: inputs}, run_name=name,
         location=(ctx.storage_path, ctx.filesystem), workers=ctx.workers, max_failures=ctx.max_failures,
-        keep=ctx.keep_checkpoints, datasets=datasets, hooks=TrialHooks(), callbacks=callbacks, preserve_order=False,
+        keep=ctx.keep_checkpoints, datasets=datasets, hooks=TrialHooks(), callbacks=callbacks,
     )
     return trainer.fit()
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pipelines.core.errors import VitpipeError
+from pipelines.core.datasets import seeded_passes
 from pipelines.core.shards import split_of
 from pipelines.core.storage import open_store
 from pipelines.image.data import augment_patches, normalize, patches_array
@@ -88,12 +89,13 @@ def select_rows(table: Any, keep: str, holdout: float) -> Any:
     return table.filter(mask if keep == "holdout" else ~mask)
 
 
-def decode_batch(table: Any, *, manifest: dict[str, Any], keep: str, holdout: float, size: int, aug: Any) -> dict[str, np.ndarray]:
+def decode_batch(table: Any, *, manifest: dict[str, Any], keep: str, holdout: float, size: int, aug: Any,
+                 seed: int | None = None, epoch: int = 0) -> dict[str, np.ndarray]:
     """Parquet rows (`patches`, `label`, `key`) → `decode_arrays`, after keeping the rows of `keep`."""
     table = select_rows(table, keep, holdout)
     patches = patches_array(table.column("patches"), manifest["num_patches"], manifest["patch_dim"])
     return decode_arrays(patches, table.column("label").to_numpy(), table.column("key").to_pylist(),
-                         manifest=manifest, size=size, aug=aug)
+                         manifest=manifest, size=size, aug=aug, seed=seed, epoch=epoch)
 
 
 def source(data: DataSpec, role: Role) -> tuple[str, str]:
@@ -194,24 +196,30 @@ def memory_batches(rows: MemoryRows, *, batch_size: int, rank: int, world: int, 
         epoch, skip = epoch + 1, 0
 
 
-def train_dataset(data: DataSpec, *, size: int, aug: Any = None) -> Any:
-    """A Ray Dataset of the training rows at resolution `size`, shuffled by file, augmented when asked."""
-    import ray.data
-    from ray.data.expressions import col
+def train_dataset(data: DataSpec, *, size: int, aug: Any = None, seed: int | None = None, epochs: int = 1) -> Any:
+    """A Ray Dataset of `epochs` passes over the training rows at resolution `size`, augmented when asked.
 
+    Each pass has its own file order and crops (`seeded_passes`): functions of `seed`, so a trial that
+    reads them in order (`preserve_order`) repeats, and a resumed one skips the very batches it trained
+    on; with no seed they are fresh.
+    """
     split, keep = source(data, "train")
     store = open_store(data.uri, data.settings)
     keys = [s["path"] for s in data.manifest["shards"] if s.get("split", {}).get(split, 0) > 0]
     if not keys:
         raise VitpipeError(f"{data.uri}: split {split!r} has no images")
     filesystem, _ = store.arrow()
-    ds = (
-        ray.data.read_parquet([store.arrow(k)[1] for k in keys], filesystem=filesystem, shuffle="files")
-        .select_columns(["patches", "label", "key", "split"])
-        .filter(expr=col("split") == split)
-    )
     kwargs = {"manifest": data.manifest, "keep": keep, "holdout": data.holdout, "size": size, "aug": aug}
-    return ds.map_batches(decode_batch, fn_kwargs=kwargs, batch_format="pyarrow", batch_size=256)
+    return seeded_passes([store.arrow(k)[1] for k in keys], filesystem, split=split,
+                         columns=("patches", "label", "key", "split"), shuffle=True, seed=seed, epochs=epochs,
+                         decode=decode_batch, fn_kwargs=kwargs, batch_size=256)
+
+
+def training_rows(data: DataSpec) -> int:
+    """About how many rows the training role holds (the minival is carved out by a hash of the key)."""
+    split, keep = source(data, "train")
+    rows = int(data.manifest.get("counts", {}).get(split, 0))
+    return int(rows * (1 - data.holdout)) if keep == "train" else rows
 
 
 __all__ = [
@@ -228,4 +236,5 @@ __all__ = [
     "raw_bytes",
     "source",
     "train_dataset",
+    "training_rows",
 ]
