@@ -10,15 +10,8 @@ take the sweep down.
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +19,6 @@ import mlflow
 import numpy as np
 import pytest
 import torch
-import yaml
 from mlflow.tracking import MlflowClient
 from pyarrow.fs import LocalFileSystem
 
@@ -38,24 +30,10 @@ from pipelines.image.configs import FinetuneConfig
 from pipelines.image.finetune_trial import latest_checkpoint
 from pipelines.image.labeled_rows import DataSpec, augment_config, load_rows, train_dataset
 from pipelines.training.starting_weights import fetch_starting_weights
-from tests.process_output import result_json
 from tests.fault_proxy import FaultProxy
-from tests.transfer_fixtures import DIGITS_SIZE
+from tests.transfer_fixtures import DIGITS_SIZE, STEPS, sweep_config
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-STEPS = 24
-
-
-def sweep_config(data: str, init: str | None, tracking_uri: str, tmp: Path, **overrides) -> FinetuneConfig:
-    fields = dict(
-        data=data, init=init, search_space={"lr": {"grid": [0.03, 0.01, 1e30, 1e-7]}, "steps": STEPS, "resolution": DIGITS_SIZE},
-        eval_interval=4, grace_period=4, reduction_factor=2, batch_size=32, metric="val_loss", max_concurrent_trials=2,
-        log_interval=1, registry_model="digits-transfer", storage=str(tmp / "runs"), tracking_uri=tracking_uri,
-        experiment="finetune-main",
-    )
-    fields.update(overrides)
-    return FinetuneConfig(**fields)
 
 
 @dataclass
@@ -195,109 +173,6 @@ def test_a_finished_sweep_asked_for_under_another_name_is_registered_there_witho
     assert versions[0].tags["vitpipe.score_metric"] == "test_top1"
     assert (again.registered_model, again.registered_version) == ("digits-transfer-renamed", "1")
     assert len(sweep.children()) == 4  # no trial ran again
-
-
-# ---------------------------------------------------------------- interruption
-
-
-def _experiment_trials(path: Path) -> dict[str, str]:
-    """Trial id -> status, from the newest experiment state Tune wrote."""
-    files = sorted(glob.glob(str(path / "experiment_state-*.json")))
-    if not files:
-        return {}
-    try:
-        state = json.loads(Path(files[-1]).read_text())
-    except ValueError:  # caught mid-write
-        return {}
-    trials = [json.loads(t[0]) if isinstance(t[0], str) else t[0] for t in state["trial_data"]]
-    return {t["trial_id"]: t["status"] for t in trials}
-
-
-def _start_vitpipe_finetune(config: FinetuneConfig, tmp: Path,
-                            address: str) -> tuple[subprocess.Popen, list[str], Path]:
-    """`vitpipe finetune` of `config` started in a session of its own; returns it, its command and its log."""
-    config_file = tmp / "finetune.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    log = tmp / "stage.log"
-    command = [sys.executable, "-m", "pipelines.cli", "finetune", str(config_file), "--address", address]
-    with open(log, "ab") as out:
-        driver = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return driver, command, log
-
-
-def _wait_for_the_second_trial(driver: subprocess.Popen, sweep_dir: Path, log: Path) -> None:
-    """Until the first of two trials run one after the other has finished and the second is recorded, not finished."""
-    deadline = time.monotonic() + 400
-    while sorted(_experiment_trials(sweep_dir).values()) not in (["PENDING", "TERMINATED"], ["RUNNING", "TERMINATED"]):
-        assert driver.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no interruption point in time: {_experiment_trials(sweep_dir)}"
-        time.sleep(0.5)
-
-
-def _snapshot(directory: Path) -> dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file()}
-
-
-def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_data, pretrained, ray_cluster, tmp_path):
-    # Two trials one after the other: a short one that finishes, then a longer one the kill interrupts.
-    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="killed",
-                          search_space={"lr": 0.02, "steps": {"grid": [4, 24]}}, scheduler="fifo",
-                          max_concurrent_trials=1, registry_model=None, experiment="finetune-resume")
-    first, command, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address)
-    sweep_dir = tmp_path / "runs" / "killed"
-    try:
-        _wait_for_the_second_trial(first, sweep_dir, log)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the driver mid-sweep
-        first.wait()
-    before = _experiment_trials(sweep_dir)
-    finished = [t for t, status in before.items() if status == "TERMINATED"]
-    trial_dirs = {t: tmp_path / "runs" / "killed-work" / "trials" / t for t in finished}
-    snapshots = {t: _snapshot(d) for t, d in trial_dirs.items()}
-
-    with open(log, "ab") as out:
-        second = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=500)
-    assert second.returncode == 0, log.read_text()[-3000:]
-    result = result_json(log.read_text())
-
-    assert set(result["trial_status"]) == set(before) and len(before) == 2  # no trial was added or replaced
-    assert set(result["trial_status"].values()) == {"completed"}
-    for trial, directory in trial_dirs.items():
-        assert _snapshot(directory) == snapshots[trial]  # the finished trial's Train run was not touched
-    client = MlflowClient(config.tracking_uri)
-    experiment = client.get_experiment_by_name(config.experiment).experiment_id
-    stage_runs = client.search_runs([experiment], filter_string="tags.`vitpipe.stage` = 'finetune'")
-    assert [r.info.run_id for r in stage_runs] == [result["run_id"]]  # the rerun reopened the killed run
-    children = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{result['run_id']}'")
-    assert sorted(r.data.tags["vitpipe.trial_id"] for r in children) == sorted(before)
-
-
-def test_a_sweep_stopped_by_ctrl_c_ends_killed_with_its_trials_says_so_in_one_line_and_registers_nothing(
-        digits_data, pretrained, ray_cluster, tmp_path):
-    # Tune returns from `fit` on SIGINT, its state saved, with the second trial unfinished (400 steps).
-    config = sweep_config(digits_data, pretrained.run_id, pretrained.tracking_uri, tmp_path, run_name="ctrl-c",
-                          search_space={"lr": 0.02, "steps": {"grid": [4, 400]}}, scheduler="fifo",
-                          max_concurrent_trials=1, registry_model="ctrl-c-digits", experiment="finetune-ctrl-c")
-    driver, _, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address)
-    try:
-        _wait_for_the_second_trial(driver, tmp_path / "runs" / "ctrl-c", log)
-        driver.send_signal(signal.SIGINT)
-        assert driver.wait(timeout=120) == 128 + signal.SIGINT
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-    stops = [line for line in log.read_text().splitlines() if line.startswith(("stopped", "error:"))]
-    assert len(stops) == 1, log.read_text()[-3000:]
-    assert stops[0].startswith("stopped by SIGINT: finetune: the sweep ended 1 of 2 trials; finetune run ctrl-c is "
-                               "KILLED; the same command resumes it")
-    client = MlflowClient(config.tracking_uri)
-    experiment = client.get_experiment_by_name(config.experiment).experiment_id
-    [stage_run] = client.search_runs([experiment], filter_string="tags.`vitpipe.stage` = 'finetune'")
-    assert stage_run.info.status == "KILLED" and "vitpipe.best_trial" not in stage_run.data.tags
-    trials = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{stage_run.info.run_id}'")
-    assert trials and "RUNNING" not in {t.info.status for t in trials}  # none left looking alive
-    assert client.search_registered_models(filter_string="name = 'ctrl-c-digits'") == []
 
 
 # ---------------------------------------------------------------- bad input

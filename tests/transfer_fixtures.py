@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.image.configs import FinetuneConfig
+
 TINY = dict(depth=2, embed_dim=64, num_heads=2, mlp_dim=128, pool="gap")
 PRETRAIN_SIZE = 16
 DIGITS_SIZE = 32
 PATCH = 4
+STEPS = 24  # per trial of the fine-tuning sweeps
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,15 @@ def pretrained(ray_cluster, mlflow_server, digits_export, tmp_path_factory) -> P
         augment=False, storage=str(root / "runs"), tracking_uri=mlflow_server, experiment=experiment,
     ))
     return Pretrained(result.run_id, mlflow_server, experiment, PRETRAIN_SIZE)
+
+
+def sweep_config(data: str, init: str | None, tracking_uri: str, tmp: Path, **overrides) -> FinetuneConfig:
+    """The fine-tuning tests' sweep: four learning rates spread for ASHA (one diverges), `overrides` applied."""
+    fields = dict(
+        data=data, init=init, search_space={"lr": {"grid": [0.03, 0.01, 1e30, 1e-7]}, "steps": STEPS, "resolution": DIGITS_SIZE},
+        eval_interval=4, grace_period=4, reduction_factor=2, batch_size=32, metric="val_loss", max_concurrent_trials=2,
+        log_interval=1, registry_model="digits-transfer", storage=str(tmp / "runs"), tracking_uri=tracking_uri,
+        experiment="finetune-main",
+    )
+    fields.update(overrides)
+    return FinetuneConfig(**fields)

@@ -45,7 +45,7 @@ TRIAL_STAGE = "finetune-trial"
 TAG_TRIAL_ID = "vitpipe.trial_id"
 VAL_ROWS = "val_rows"  # DRIVER_INPUTS keys of object refs: the minival, and in-memory training rows
 TRAIN_ROWS = "train_rows"
-POSITION_FILE = "position.json"  # beside train_state.pt: the step, readable without torch
+POSITION_FILE = "position.json"  # beside train_state.pt: the step and the report, readable without torch
 
 
 class TrialSettings(LoopSettings):
@@ -168,8 +168,8 @@ class TrialHooks(LoopHooks):
             f"trial diverged at step {int(info['step'])}: gradient norm {info['grad_norm']}, loss {info['loss']}"
         )
 
-    def write_checkpoint(self, directory: str, position: dict[str, Any]) -> None:
-        Path(directory, POSITION_FILE).write_text(json.dumps(position))
+    def write_checkpoint(self, directory: str, position: dict[str, Any], report: dict[str, float]) -> None:
+        Path(directory, POSITION_FILE).write_text(json.dumps({**position, "report": report}))
 
 
 # ---------------------------------------------------------------- the Tune trainable
@@ -264,15 +264,43 @@ def run_trial(config: dict[str, Any], ctx: SweepContext) -> None:
     trial_id = tune_ctx.get_trial_id()
     run_id = open_trial_run(ctx, trial_id, tune_ctx.get_trial_name(), config)
     if ctx.segment_steps is None:
+        fs = ctx.filesystem or _local_fs()
+        ended = _report_at_end(fs, latest_checkpoint(fs, f"{ctx.storage_path}/{trial_id}"), int(config["steps"]))
+        if ended is not None:  # see `_report_at_end`
+            tune.report(ended)
+            return
         _fit(ctx, trial_settings(ctx, config, run_id), config, trial_id, [TuneReportCallback()])
         return
     _run_segments(ctx, config, trial_id, run_id)
 
 
+def _local_fs() -> Any:
+    import pyarrow.fs as pafs
+
+    return pafs.LocalFileSystem()
+
+
+def _position(fs: Any, path: str) -> dict[str, Any]:
+    with fs.open_input_stream(f"{path}/{POSITION_FILE}") as f:
+        return json.loads(f.read())
+
+
 def checkpoint_step(fs: Any, path: str) -> int:
     """The step a train-state checkpoint was written at (its `position.json`)."""
-    with fs.open_input_stream(f"{path}/{POSITION_FILE}") as f:
-        return int(json.loads(f.read())["step"])
+    return int(_position(fs, path)["step"])
+
+
+def _report_at_end(fs: Any, checkpoint: str | None, steps: int) -> dict[str, float] | None:
+    """The report a checkpoint at or past `steps` was written with; None when training is still to do.
+
+    Tune saves its state every few seconds: a driver killed between a trial's last checkpoint and the next
+    save restores the trial unfinished. Training it again would step nothing and report nothing, and Tune
+    fails a trial that ends without its metric; handing Tune the last report again ends it as it ended.
+    """
+    if checkpoint is None:
+        return None
+    position = _position(fs, checkpoint)
+    return position.get("report") if int(position["step"]) >= steps else None
 
 
 def _run_segments(ctx: SweepContext, config: dict[str, Any], trial_id: str, run_id: str) -> None:
@@ -283,24 +311,28 @@ def _run_segments(ctx: SweepContext, config: dict[str, Any], trial_id: str, run_
     copy: training goes on from it in a new Train run named after it, with
     this trial's own (possibly mutated) hyper-parameters.
     """
-    import pyarrow.fs as pafs
     from ray import tune
 
-    fs = ctx.filesystem or pafs.LocalFileSystem()
+    fs = ctx.filesystem or _local_fs()
     name, start_from = trial_id, None
     start = tune.get_checkpoint()
     if start is not None:
         start_from = start.path
         name = f"{trial_id}-from-{hashlib.sha1(start_from.encode()).hexdigest()[:8]}"
     steps = int(config["steps"])
+    reported = False
     while True:
         latest = latest_checkpoint(fs, f"{ctx.storage_path}/{name}") or start_from
         at = checkpoint_step(fs, latest) if latest else 0
         if at >= steps:
+            ended = None if reported else _report_at_end(fs, latest, steps)
+            if ended is not None:
+                tune.report(ended, checkpoint=tune.Checkpoint(latest, filesystem=fs))
             return
         stop = min(steps, (at // ctx.segment_steps + 1) * ctx.segment_steps)
         result = _fit(ctx, trial_settings(ctx, config, run_id, stop_at_step=stop, start_from=start_from), config, name, [])
         path = latest_checkpoint(fs, f"{ctx.storage_path}/{name}")
         tune.report(dict(result.metrics), checkpoint=tune.Checkpoint(path, filesystem=fs))
+        reported = True
 
 

@@ -149,8 +149,8 @@ class LoopHooks:
         log.tags({"vitpipe.diverged_at_step": str(int(info["step"]))})
         log.flush()
 
-    def write_checkpoint(self, directory: str, position: dict[str, Any]) -> None:
-        """Add files to a checkpoint beside the train state (nothing here)."""
+    def write_checkpoint(self, directory: str, position: dict[str, Any], report: dict[str, float]) -> None:
+        """Add files to a checkpoint beside the train state (nothing here); `report` is what it is reported with."""
 
 
 def write_best(worker: Worker, model: nn.Module, info: dict[str, float]) -> None:

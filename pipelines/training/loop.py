@@ -216,6 +216,6 @@ def _report(run: _Run, hooks: LoopHooks, report: dict[str, float], *, checkpoint
     step = int(run.pos["step"])
     with tempfile.TemporaryDirectory() as tmp:
         save_train_state(tmp, run.model, run.optimizer, run.scheduler, run.pos, rng, save_weights=hooks.save_weights)
-        hooks.write_checkpoint(tmp, run.pos)
+        hooks.write_checkpoint(tmp, run.pos, report)
         ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"checkpoint_{step:08d}")
