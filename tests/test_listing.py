@@ -72,3 +72,15 @@ def test_a_local_source_is_listed_in_this_process(tmp_path):
         (tmp_path / key).write_bytes(b"x")
     source = open_store(str(tmp_path))
     assert [key for key, _, _ in _flat(source_entries(source, width=2))] == ["a/1.jpg", "a/2.jpg", "b/1.jpg"]
+
+
+@pytest.mark.parametrize("prefix", ["corpus/", ""])
+def test_a_listed_key_with_a_leading_slash_reads_its_own_object(s3_env, s3_bucket, prefix):
+    # `corpus//a.jpg` lists as `/a.jpg` under `corpus`: another object than `corpus/a.jpg`.
+    client = s3_env.client()
+    for key in (f"{prefix}/a.jpg", f"{prefix}a.jpg", f"{prefix}/cat/b.jpg"):
+        client.put_object(Bucket=s3_bucket, Key=key, Body=key.encode())
+    source = open_store(f"s3://{s3_bucket}/{prefix}", S3Settings.resolve())
+    listed = [key for key, _, _ in _flat(source.list_entries())]
+    assert listed == ["/a.jpg", "/cat/b.jpg", "a.jpg"]
+    assert [source.read(key) for key in listed] == [f"{prefix}{key}".encode() for key in listed]

@@ -235,7 +235,8 @@ class S3Store(Store):
         return self._client
 
     def _key(self, key: str) -> str:
-        return join_key(self.prefix, key)
+        # Only joined, never normalised: `p//a.jpg` lists as `/a.jpg`, and `p/a.jpg` is another object.
+        return f"{self.prefix}/{key}" if self.prefix and key else self.prefix or key
 
     def list_entries(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[Entry]]:
         if prefix.endswith("/"):  # a folder a delimiter listing named ("a/", even "/"): listed as is
