@@ -26,6 +26,13 @@ def test_parse_uri_splits_bucket_and_prefix():
     assert loc.uri == "s3://my-bucket/some/prefix"
 
 
+@pytest.mark.parametrize("prefix", ["data#1/x", "q?v=1/x", "a b/%41+/x"])
+def test_an_s3_prefix_is_taken_literally_as_s3_keys_are(prefix):
+    # A `#` or `?` cut the prefix short: `s3://b/data#1/x` read and wrote `s3://b/data`.
+    loc = parse_uri(f"s3://my-bucket/{prefix}/")
+    assert (loc.bucket, loc.path, loc.uri) == ("my-bucket", prefix, f"s3://my-bucket/{prefix}")
+
+
 def test_parse_uri_makes_local_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse_uri("data/x").path == str(tmp_path / "data" / "x")

@@ -83,12 +83,13 @@ def parse_uri(uri: str) -> Location:
         return Location("file", "", os.path.abspath(parts.path or "/"))
     if not is_s3_uri(uri):
         raise ValueError(f"{strip_userinfo(uri)}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a local path)")
-    if "@" in parts.netloc:
+    # Cut by hand, not by `urlsplit`: `#` and `?` are key characters on S3, not a fragment or a query.
+    bucket, _, path = uri.split("://", 1)[1].partition("/")
+    if "@" in bucket:
         raise ValueError(f"{strip_userinfo(uri)}: credentials in the URI are refused; use the AWS environment or profile")
-    bucket = parts.netloc
     if not _BUCKET_RE.match(bucket):
         raise ValueError(f"{uri}: {bucket!r} is not a valid bucket name")
-    return Location("s3", bucket, parts.path.strip("/"))
+    return Location("s3", bucket, path.strip("/"))
 
 
 def join_key(*parts: str) -> str:
