@@ -140,6 +140,16 @@ def test_webdataset_rerun_after_one_shard_changed_rewrites_only_its_shard(s3_ser
     assert (again.shards_written, again.shards_reused, again.counts["images"]) == (1, 3, 15)
 
 
+def test_a_webdataset_shard_whose_key_holds_an_empty_folder_name_is_read(s3_server, wds):
+    # pyarrow refuses a path with an empty component, so `doubled//000001.tar` failed the whole ingest.
+    client = s3_server.client()
+    for key in ("doubled//000001.tar", "doubled/a//000002.tar"):
+        client.put_object(Bucket=wds, Key=key, Body=_wds_shard(int(key[-5])))
+    result = _ingest(s3_server, f"s3://{wds}/doubled", f"s3://{wds}/out-doubled", input_format="webdataset")
+    assert result.counts["images"] == 8 and result.counts["rejected"] == 0
+    assert _shard_rows(s3_server, wds, "out-doubled")[0]["key"] == "/000001.tar/s1-0"
+
+
 @pytest.fixture(scope="module")
 def damaged(ray_cluster, s3_server):
     """A good shard, one cut short in the middle of its third sample, and one with bad samples."""
@@ -225,6 +235,15 @@ def test_parquet_rows_with_broken_bytes_are_rejections_with_reasons(s3_server, t
     assert set(reasons) == {"part-1.parquet#1", "part-1.parquet#3", "part-1.parquet#4"}
     assert "not an image" in reasons["part-1.parquet#1"]
     assert "no image bytes (path 'elsewhere.jpg')" in reasons["part-1.parquet#3"]
+
+
+def test_a_parquet_table_whose_key_holds_an_empty_folder_name_is_read(s3_server, tables):
+    client = s3_server.client()
+    body = client.get_object(Bucket=tables, Key="tables/part-0.parquet")["Body"].read()
+    client.put_object(Bucket=tables, Key="doubled//part-0.parquet", Body=body)
+    result = _ingest(s3_server, f"s3://{tables}/doubled", f"s3://{tables}/out-doubled", input_format="parquet",
+                     image_column="img", label_column="y")
+    assert result.counts["images"] == 5 and result.counts["rejected"] == 0
 
 
 def test_unlabeled_parquet_ingest_reads_no_label_column(s3_server, tables):

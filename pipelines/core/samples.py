@@ -81,20 +81,23 @@ def tar_samples(
     except tarfile.ReadError as exc:
         rejected.append({"key": key, "reason": f"damaged tar at byte {at}: {exc}; samples before it kept"})
         return
-    except OSError as exc:
+    except (OSError, StorageError) as exc:
         _read_failed(source, key, exc, rejected)
         return
     if current is not None:
         yield from _sample(current, parts, rejected, labeled, label_field)
 
 
-def _open_stream(source: Store, key: str) -> Any:
-    """A forward-only byte stream of `key` (one GET on S3)."""
+def _open_stream(source: Store, key: str, *, seekable: bool = False) -> Any:
+    """A byte stream of `key` (one GET on S3), or a seekable file of it."""
     fs, path = source.arrow(key)
-    return fs.open_input_stream(path)
+    if isinstance(source, S3Store) and "" in path.split("/"):
+        # pyarrow refuses an empty path component ("a//b.tar"), an ordinary key on S3.
+        return source.open_input(key)
+    return fs.open_input_file(path) if seekable else fs.open_input_stream(path)
 
 
-def _read_failed(source: Store, key: str, exc: OSError, rejected: list[dict[str, str]]) -> None:
+def _read_failed(source: Store, key: str, exc: Exception, rejected: list[dict[str, str]]) -> None:
     """A read error: raise it when its cause may pass (Ray retries the shard task) or holds for the
     whole store (credentials, bucket: the stage fails); a cause of this file alone (it went missing,
     access to it is denied) rejects the rest of the file with its reason."""
@@ -171,11 +174,10 @@ def parquet_samples(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fs, path = source.arrow(key)
     columns = [image_column] + ([label_column] if label_column else [])
     row = 0
     try:
-        table = pq.ParquetFile(fs.open_input_file(path))
+        table = pq.ParquetFile(_open_stream(source, key, seekable=True))
         missing = [c for c in columns if c not in table.schema_arrow.names]
         if missing:
             names = ", ".join(table.schema_arrow.names)
@@ -190,7 +192,7 @@ def parquet_samples(
                 yield from _row_sample(sample, value, label, label_column is not None, rejected, max_bytes)
     except pa.ArrowInvalid as exc:
         rejected.append({"key": key, "reason": f"not a readable Parquet table at row {row}: {str(exc)[:200]}"})
-    except OSError as exc:
+    except (OSError, StorageError) as exc:
         _read_failed(source, key, exc, rejected)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from pipelines.core.errors import ObjectTooLarge, StorageError, TransientStorageError
 from pipelines.core.s3 import S3Settings, storage_error
+from pipelines.core.s3_file import open_object
 from pipelines.core.uris import Location, join_key, parse_uri
 
 __all__ = [
@@ -296,6 +297,11 @@ class S3Store(Store):
                     raise err from None
             time.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
         raise AssertionError("itertools.count never ends")
+
+    def open_input(self, key: str) -> Any:
+        """The object as a seekable, buffered binary file read with ranged GETs: for the keys pyarrow
+        refuses (`a//b`); errors are this store's one-line `StorageError`s."""
+        return open_object(self.client, self.bucket, self._key(key), lambda exc: self.error(exc, key))
 
     def write(self, key: str, data: bytes) -> None:
         # A PUT is atomic: the object appears whole or not at all.
