@@ -24,7 +24,7 @@ def _flat(pages) -> list[tuple[str, int, str]]:
 def source(s3_env, s3_bucket):
     client = s3_env.client()
     for key in KEYS:
-        client.put_object(Bucket=s3_bucket, Key=f"corpus/{key}", Body=key.encode())
+        client.put_object(Bucket=s3_bucket, Key=f"corpus/{key}", Body=b"" if key.endswith("/") else key.encode())
     return open_store(f"s3://{s3_bucket}/corpus", S3Settings.resolve())
 
 
@@ -84,3 +84,14 @@ def test_a_listed_key_with_a_leading_slash_reads_its_own_object(s3_env, s3_bucke
     listed = [key for key, _, _ in _flat(source.list_entries())]
     assert listed == ["/a.jpg", "/cat/b.jpg", "a.jpg"]
     assert [source.read(key) for key in listed] == [f"{prefix}{key}".encode() for key in listed]
+
+
+def test_a_key_ending_in_a_slash_that_holds_bytes_is_listed_and_reads_back(s3_env, s3_bucket):
+    # Only an empty object is a folder marker; one with bytes is an input, kept or rejected by its content.
+    client = s3_env.client()
+    for key, body in (("corpus/", b"root"), ("corpus/cat/", b""), ("corpus/cat/a.jpg", b"a"), ("corpus/cat/b/", b"b")):
+        client.put_object(Bucket=s3_bucket, Key=key, Body=body)
+    source = open_store(f"s3://{s3_bucket}/corpus", S3Settings.resolve())
+    listed = [key for key, _, _ in _flat(source.list_entries())]
+    assert listed == ["cat/a.jpg", "cat/b/"]
+    assert source.read("cat/b/") == b"b"

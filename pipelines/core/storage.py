@@ -260,7 +260,8 @@ class S3Store(Store):
     def _pages(
         self, prefix: str, page_size: int, hidden: bool, *, delimiter: bool
     ) -> Iterator[tuple[list[Entry], list[str]]]:
-        """Each LIST call's objects (folder markers and, unless `hidden`, hidden names skipped) and folders."""
+        """Each LIST call's objects (folder markers: the root's own and empty `.../` objects, and, unless
+        `hidden`, hidden names skipped) and folders. A `.../` object with bytes is listed: an input."""
         strip = len(self.prefix) + 1 if self.prefix else 0
         extra = {"Delimiter": "/"} if delimiter else {}
         try:
@@ -271,7 +272,8 @@ class S3Store(Store):
                 entries = [
                     (obj["Key"][strip:], int(obj.get("Size", 0)), str(obj.get("ETag", "")))
                     for obj in page.get("Contents", [])
-                    if not obj["Key"].endswith("/") and (hidden or not _is_hidden(obj["Key"][strip:]))
+                    if obj["Key"][strip:] and not (obj["Key"].endswith("/") and not obj.get("Size"))
+                    and (hidden or not _is_hidden(obj["Key"][strip:]))
                 ]
                 folders = [p["Prefix"][strip:] for p in page.get("CommonPrefixes", [])
                            if hidden or not _is_hidden(p["Prefix"][strip:-1])]
