@@ -3,6 +3,9 @@
 For the keys pyarrow's S3 filesystem refuses ("Empty path component"): `a//b.tar`, or `/b.tar`
 under a prefix (the object `prefix//b.tar`). They are ordinary keys on S3, and a WebDataset tar
 or a Parquet table stored under one is read here instead, as a stream or with seeks.
+
+Not smart_open's reader (Ray brings it): its reads raise botocore's and urllib3's errors as they are, where
+the store's one-line errors are wanted, and it does not hold a read to one version of the object.
 """
 
 from __future__ import annotations
