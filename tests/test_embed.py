@@ -147,6 +147,7 @@ def test_actors_that_take_every_cpu_still_embed_every_image(ray_cluster, tiny_da
 @pytest.mark.parametrize("output, words", [
     ("DATA", "is the data's own location; embeddings go elsewhere"),
     ("ftp://host/x", "ftp://host/x"),
+    ("s3://bkt/emb//x", "s3://bkt/emb//x: an empty folder name ('//') is refused here"),
 ])
 def test_an_output_that_is_the_data_or_no_storage_uri_is_a_one_line_error_naming_it(tmp_path, output, words):
     from pipelines.image.embed import load_config

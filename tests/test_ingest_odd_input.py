@@ -140,6 +140,16 @@ def test_an_output_inside_its_source_is_refused(tmp_path, source, output):
         IngestConfig(source=source.format(tmp=tmp_path), output=output.format(tmp=tmp_path))
 
 
+@pytest.mark.parametrize("field", ["output", "manifest"])
+def test_an_s3_output_or_manifest_with_an_empty_folder_name_is_refused_in_one_line(tmp_path, field):
+    with pytest.raises(ValidationError, match=r"s3://bkt/a//b: an empty folder name \('//'\) is refused here"):
+        IngestConfig(**{"source": "s3://bkt/corpus", "output": "s3://bkt/out", field: "s3://bkt/a//b"})
+
+
+def test_a_source_with_an_empty_folder_name_is_accepted(tmp_path):
+    IngestConfig(source="s3://bkt/corpus//2024", output="s3://bkt/out")
+
+
 def test_an_output_beside_its_source_is_accepted(tmp_path):
     IngestConfig(source=str(tmp_path / "src"), output=str(tmp_path / "src-out"))
     IngestConfig(source="s3://bkt/corpus", output="s3://bkt/corpus-out")

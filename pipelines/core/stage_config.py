@@ -22,7 +22,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipelines.core.storage import Location, parse_uri
-from pipelines.core.uris import pattern_root
+from pipelines.core.uris import is_s3_uri, pattern_root, strip_userinfo
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -34,13 +34,23 @@ def _checked_uri(value: str | None) -> str | None:
     return value
 
 
+def _arrow_uri(value: str | None) -> str | None:
+    """`_checked_uri`, and refused with an empty folder name on S3 (`s3://b/out//x`): ordinary in a key, but
+    pyarrow, which reads and writes shards, manifests and label tables, cannot address it."""
+    _checked_uri(value)
+    if value is not None and is_s3_uri(value) and "//" in value.strip().split("://", 1)[1].rstrip("/"):
+        raise ValueError(f"{strip_userinfo(value)}: an empty folder name ('//') is refused here: pyarrow cannot "
+                         "address it")
+    return value
+
+
 class DataToOutput(BaseModel):
     """Base of a stage config that reads an ingested output (`data`) and writes its own (`output`)."""
 
     data: str
     output: str
 
-    _valid_uris = field_validator("data", "output")(_checked_uri)
+    _valid_uris = field_validator("data", "output")(_arrow_uri)
 
     def check_output_apart(self, what: str) -> None:
         """One line if `output` is `data`'s own location: writing `what` there would mix them into the input."""
@@ -98,7 +108,8 @@ class ShardedIngestConfig(BaseModel):
     max_object_bytes: int = Field(64 * 2**20, ge=1)  # larger objects are rejected without being read
     compression: Literal["none", "snappy", "lz4", "zstd"] = "lz4"
 
-    _valid_uris = field_validator("source", "output", "manifest")(_checked_uri)
+    _valid_source = field_validator("source")(_checked_uri)  # listed and read through boto3: any key
+    _valid_uris = field_validator("output", "manifest")(_arrow_uri)
 
     @model_validator(mode="after")
     def _consistent_splits_and_paths(self) -> ShardedIngestConfig:
