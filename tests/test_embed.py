@@ -172,3 +172,13 @@ def test_a_from_scratch_model_is_drawn_from_the_configs_seed(tmp_path):
 
     assert weights(0) == weights(0)
     assert weights(1) != weights(0)  # so the output's fingerprint, which holds this hash, differs too
+
+
+def test_the_output_manifest_holds_no_password_of_the_tracking_uri(ray_cluster, tiny_dataset, mlflow_server, tmp_path):
+    checkpoint = vit.save_checkpoint(tiny_model(seed=3), tmp_path / "checkpoint")
+    with_password = mlflow_server.replace("http://", "http://bob:hunter2@")
+    config = EmbedConfig(data=tiny_dataset, output=str(tmp_path / "embeddings"), init=str(checkpoint),
+                         tracking_uri=with_password, experiment="embed-secret", batch_size=32)
+    run_embed(config)
+    written = (tmp_path / "embeddings" / shards.MANIFEST).read_text()
+    assert "hunter2" not in written and mlflow_server in written

@@ -289,7 +289,7 @@ def _assemble_manifest(work: _Work, summaries: list[dict[str, Any]]) -> dict[str
     for split in shards.SPLITS:
         counts[split] = sum(s["split"].get(split, 0) for s in summaries)
     tree = {"identity": {k: work.identity[k] for k in CONTENT}, "shards": [s["hash"] for s in summaries]}
-    public = config.model_dump(mode="json")
+    public = tracking.redact(config.model_dump(mode="json"))  # the manifest outlives the run: no `user:password@`
     public["endpoint_url"] = S3Settings.resolve(config.endpoint_url).public()["endpoint_url"]
     return {
         "format": FORMAT,
