@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipelines.core import run_open, run_owner, tracking
@@ -232,7 +233,9 @@ def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(resolve_tracking_uri(tracking_uri))
+    uri = resolve_tracking_uri(tracking_uri)
+    _refuse_missing_store(uri)
+    client = MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     if not experiments:
         return []
@@ -250,6 +253,16 @@ def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict
             "run_id": run.info.run_id,
         })
     return rows
+
+
+def _refuse_missing_store(uri: str) -> None:
+    """A one-line VitpipeError for a `sqlite:///` store whose file does not exist: MLflow would create an empty
+    one, and a mistyped path would then read as "no pipeline runs"."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+        if not path.is_file():
+            raise VitpipeError(f"tracking store {strip_userinfo(uri)}: no such database file {path} "
+                               "(--tracking-uri or MLFLOW_TRACKING_URI names the store)")
 
 
 __all__ = ["PipelineResult", "StageRow", "format_table", "pipeline_runs", "run_pipeline"]

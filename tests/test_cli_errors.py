@@ -89,6 +89,15 @@ def test_an_unwritable_log_directory_does_not_stop_the_command(tmp_path, monkeyp
     assert line.startswith("error: --set expects KEY=VALUE, got 'lr'") and "log: " not in line
 
 
+def test_listing_the_runs_of_a_sqlite_store_that_does_not_exist_is_one_line_and_creates_no_store(tmp_path) -> None:
+    store = tmp_path / "mlfow.db"  # a typo of the store's name
+    result = CliRunner().invoke(app, ["runs", "--tracking-uri", f"sqlite:///{store}"])
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"error: tracking store sqlite:///{store}: no such database file"), line
+    assert not store.exists()
+
+
 @pytest.mark.parametrize("args", [["--help"], ["runs", "--help"]])
 def test_help_exits_zero(args) -> None:
     assert CliRunner().invoke(app, args).exit_code == 0
