@@ -18,7 +18,7 @@ from pipelines.cli_errors import ErrorReportingGroup, fail
 from pipelines.core.cluster import connect
 from pipelines.core.logfile import console_handler, quiet_artifact_bars
 from pipelines.core.stage_config import load_stage_config, parse_overrides
-from pipelines.core.uris import strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.stages import STAGES
 
 
@@ -228,6 +228,10 @@ def _run_stage(kind: str, config: str, sets: list[str], ray_address: Optional[st
     """Load, validate and run one stage from its config file; print its result as JSON."""
     stage = STAGES[kind]
     cfg = load_stage_config(stage.config_model, kind, config, parse_overrides(sets))
+    if "tracking_uri" in type(cfg).model_fields:
+        from pipelines.core.tracking import check_server  # deferred: tracking imports MLflow
+
+        check_server(resolve_tracking_uri(cfg.tracking_uri))
     _log_progress()
     result = stage.run(cfg, ray_address=ray_address) if stage.takes_ray_address else stage.run(cfg)
     typer.echo(result.model_dump_json())

@@ -89,9 +89,9 @@ def run_pipeline(spec: PipelineSpec, *, ray_address: str | None = None, force: I
     from mlflow.tracking import MlflowClient
 
     forced_stages = check_forced(spec, force)
-
-    connect(ray_address)
     tracking_uri = spec.resolved_tracking_uri()
+    tracking.check_server(tracking_uri)  # before Ray starts: a server that is not there is answered at once
+    connect(ray_address)
     client = MlflowClient(tracking_uri)
     result = PipelineResult(spec.name, _start_pipeline_run(client, spec), tracking_uri)
     context = _Context(spec, client, result, ray_address)
@@ -235,6 +235,7 @@ def pipeline_runs(tracking_uri: str | None = None, limit: int = 50) -> list[dict
 
     uri = resolve_tracking_uri(tracking_uri)
     _refuse_missing_store(uri)
+    tracking.check_server(uri)
     client = MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     if not experiments:

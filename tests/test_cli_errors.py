@@ -4,6 +4,7 @@ says so in one line and exits 128 + the signal's number."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -96,6 +97,47 @@ def test_listing_the_runs_of_a_sqlite_store_that_does_not_exist_is_one_line_and_
     [line] = result.output.strip().splitlines()
     assert line.startswith(f"error: tracking store sqlite:///{store}: no such database file"), line
     assert not store.exists()
+
+
+@pytest.fixture
+def absent_server() -> str:
+    """The address of a tracking server that is not there: a loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _vitpipe_quickly(tmp_path: Path, *args: str) -> str:
+    """`vitpipe ARGS` in a fresh interpreter, which must fail within 60 s (MLflow's own retries take minutes):
+    its one line on stderr."""
+    env = {**os.environ, "VITPIPE_LOG_DIR": str(tmp_path / "logs")}
+    env.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES", None)
+    child = subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True,
+                           cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert child.returncode == 1, child.stderr[-2000:]
+    return child.stderr.strip().splitlines()[-1]
+
+
+def test_listing_the_runs_of_a_tracking_server_that_is_not_there_is_one_line_at_once(tmp_path, absent_server):
+    line = _vitpipe_quickly(tmp_path, "runs", "--tracking-uri", absent_server)
+    assert line.startswith(f"error: tracking server {absent_server}: not reachable (connection refused"), line
+
+
+def test_a_spec_whose_tracking_server_is_not_there_is_one_line_at_once(tmp_path, absent_server):
+    (tmp_path / "spec.yaml").write_text(f"name: p\nstorage: {{root: out}}\ntracking_uri: {absent_server}\n"
+                                        "stages:\n  raw: {kind: ingest, source: corpus}\n")
+    line = _vitpipe_quickly(tmp_path, "run", "spec.yaml")
+    assert line.startswith(f"error: tracking server {absent_server}: not reachable (connection refused"), line
+
+
+def test_a_stage_whose_tracking_server_is_not_there_is_one_line_at_once(tmp_path, absent_server):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "_SUCCESS").write_text("{}")
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"image_size": 16, "patch_size": 4, "patch_dim": 48}))
+    (tmp_path / "evaluate.yaml").write_text(f"data: data\ninit: scratch\nmodel: ViT-Ti/16\n"
+                                            f"model_overrides: {{depth: 1, patch_size: 4}}\ntracking_uri: {absent_server}\n")
+    line = _vitpipe_quickly(tmp_path, "evaluate", "evaluate.yaml")
+    assert line.startswith(f"error: tracking server {absent_server}: not reachable (connection refused"), line
 
 
 @pytest.mark.parametrize("args", [["--help"], ["runs", "--help"]])

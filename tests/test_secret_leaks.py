@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,11 +99,33 @@ def test_no_field_of_a_model_or_stage_config_counts_as_a_credential():
     assert "class_token" in names and not [name for name in names if is_secret_name(name)]
 
 
-def test_an_unexpected_error_shows_no_password_on_the_terminal_or_in_the_log(tmp_path):
+class _Failing(BaseHTTPRequestHandler):
+    """A server that is there but fails every request, as a tracking server whose database is down does."""
+
+    def _fail(self) -> None:
+        self.send_response(500)
+        self.end_headers()
+
+    do_GET = do_POST = _fail
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def failing_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_unexpected_error_shows_no_password_on_the_terminal_or_in_the_log(tmp_path, failing_server):
     # MLflow's own error quotes the tracking URI it was given, password included.
-    stderr, log = _vitpipe(tmp_path, "runs", "--tracking-uri", "http://alice:s3cret@127.0.0.1:1")
-    assert "MlflowException: API request to http://127.0.0.1:1/" in stderr
-    assert "Traceback" in log and "http://127.0.0.1:1/" in log
+    stderr, log = _vitpipe(tmp_path, "runs", "--tracking-uri", f"http://alice:s3cret@{failing_server}")
+    assert f"MlflowException: API request to http://{failing_server}/" in stderr
+    assert "Traceback" in log and f"http://{failing_server}/" in log
     assert "s3cret" not in stderr and "s3cret" not in log
 
 

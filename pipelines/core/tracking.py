@@ -13,7 +13,10 @@ import hashlib
 import json
 import os
 import platform
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +30,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import SecretBytes, SecretStr
 
 from pipelines.core import stopping
+from pipelines.core.errors import VitpipeError
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 
 # Where a `sqlite:///` store's experiments keep their artifacts: this folder beside the database file.
@@ -143,6 +147,38 @@ def browse_hint(tracking_uri: str, run_id: str) -> str:
         return f"browse the runs: {experiment_page(tracking_uri, experiment)}"
     return (f"browse the runs: mlflow ui --backend-store-uri {strip_userinfo(tracking_uri)}, "
             f"then {experiment_page('http://127.0.0.1:5000', experiment)}")
+
+
+def check_server(uri: str, timeout_s: float = 10.0) -> None:
+    """Raise a one-line VitpipeError when the tracking server at `uri` (http or https) takes no connection.
+
+    MLflow's client retries a refused request with backoff for about 4 minutes before it gives up: right for
+    a server lost mid-run, not for one that is not there (a mistyped host, a server not started). Anything
+    listening passes, whatever it answers (an error page, a slow reply, a TLS handshake MLflow may accept).
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    shown = strip_userinfo(uri)  # reachability needs no credentials, and urllib would take them for the host
+    try:
+        urllib.request.urlopen(f"{shown.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except urllib.error.URLError as err:  # raised while connecting or sending; a reply's failure is an OSError
+        if isinstance(err.reason, ssl.SSLError):
+            return
+        raise VitpipeError(f"tracking server {shown}: not reachable ({_connect_failure(err.reason, timeout_s)})") from None
+    except OSError:
+        return
+
+
+def _connect_failure(reason: object, timeout_s: float) -> str:
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused: is the server running, and on this port?"
+    if isinstance(reason, TimeoutError):
+        return f"no connection within {timeout_s:.0f} s"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return " ".join(str(reason).split())[:200] or type(reason).__name__
 
 
 def get_or_create_experiment(client: MlflowClient, name: str) -> str:
