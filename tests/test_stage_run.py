@@ -120,3 +120,10 @@ def test_a_named_run_with_its_own_config_resumes_even_when_the_name_also_holds_a
     assert run_id != failed.run_id  # an older run under the same name, as made before names were checked
     with stage_run(client, "pretrain", _config("both"), {"lr": 0.1}) as rerun:
         assert (rerun.run_id, rerun.resumed) == (failed.run_id, True)
+
+
+def test_a_run_name_holding_both_kinds_of_quote_is_refused_in_one_line_naming_it(client: MlflowClient) -> None:
+    name = """it's "best\""""
+    with pytest.raises(ValueError) as err, stage_run(client, "pretrain", _config(name), {"lr": 0.1}):
+        pytest.fail("no run may open under a name that cannot be searched for")
+    assert str(err.value).startswith(f"run_name {name!r}: ") and "\n" not in str(err.value)

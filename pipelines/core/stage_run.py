@@ -131,6 +131,8 @@ def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest
                              identity: Mapping[str, Any]) -> None:
     """Raise a one-line ValueError when a run of `stage` named `name` (in any experiment of the store, deleted
     ones too: their checkpoints stay in the storage) has an identity other than `digest`."""
+    if "'" in name and '"' in name:  # MLflow's filter strings have no escapes: such a name cannot be looked up
+        raise ValueError(f"run_name {name!r}: a run name may hold ' or \", not both")
     experiments = [e.experiment_id for e in _all_experiments(client)]
     quoted = f'"{name}"' if "'" in name else f"'{name}'"
     runs = client.search_runs(
