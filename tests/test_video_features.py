@@ -170,6 +170,15 @@ def source_and_feature_tables(video_data: str, output: str):
     return pq.read_table(Path(video_data, key)), pq.read_table(Path(output, key))
 
 
+def test_the_output_manifest_holds_no_password_of_the_tracking_uri(ray_cluster, video_data, backbone_run, tmp_path):
+    # A checkpoint path as init: the tracking URI is only carried, never reached.
+    config = features_config(video_data, str(tmp_path / "features"), backbone_run, init=str(backbone_run["checkpoint"]),
+                             tracking_uri="http://bob:hunter2@127.0.0.1:9")
+    run_video_features(config)
+    written = (tmp_path / "features" / shards.MANIFEST).read_text()
+    assert "hunter2" not in written and "http://127.0.0.1:9" in written
+
+
 def test_float16_features_match_float32_within_half_precision(extracted, video_data):
     config, result = extracted
     model = build_initial_model(frozen_backbone(config), len(CLASSES), config.tracking_uri).model

@@ -255,11 +255,13 @@ def _write(config: VideoFeaturesConfig, out: Any, key: str, parts: list[pa.Table
 
 def _assemble_manifest(config: VideoFeaturesConfig, source: dict[str, Any], frame_size: int, backbone: dict[str, Any],
                        identity: dict[str, Any], fingerprint: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    from pipelines.core.tracking import redact  # deferred: it loads MLflow, which the feature actors never need
+
     counts = dict(source.get("counts") or {})
     counts["videos"] = sum(s["rows"] for s in summaries)
     counts["frames"] = sum(s["frames"] for s in summaries)
     tree = {"identity": identity, "shards": [s["hash"] for s in summaries]}
-    public = config.model_dump(mode="json")
+    public = redact(config.model_dump(mode="json"))  # the manifest outlives the run: no `user:password@`
     public["endpoint_url"] = S3Settings.resolve(config.endpoint_url).public()["endpoint_url"]
     return {
         "format": FORMAT,
