@@ -333,3 +333,23 @@ def test_other_families_can_register_for_checkpoints(tmp_path):
         assert isinstance(restored, _Pair) and torch.equal(restored.fc.weight, model.fc.weight)
     finally:
         ARCHS.pop("pair")
+
+
+def test_load_checkpoint_names_a_corrupt_weights_file_in_one_value_error(tmp_path):
+    save_checkpoint(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*cannot be read") as err:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_load_checkpoint_names_weights_that_do_not_fit_the_config_in_one_value_error(tmp_path):
+    save_checkpoint(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["extra"] = torch.zeros(1)
+    del state["norm.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"do not fit.*norm\.weight.*extra") as err:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(err.value)
+

@@ -315,6 +315,23 @@ def _arch_and_config(d: Path) -> tuple[str, Any]:
         raise ValueError(f"checkpoint {d}: config.json does not fit {config_cls.__name__}: {e}") from None
 
 
+def _read_weights(d: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, checked against `model`: any failure is one ValueError naming the file."""
+    f = d / WEIGHTS_FILE
+    try:
+        state = load_file(f, device="cpu")
+    except Exception as e:  # safetensors raises its own error type (a truncated or foreign file)
+        raise ValueError(f"checkpoint {f} cannot be read as safetensors: {' '.join(str(e).split())}") from None
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+              if k in own and v.shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {f}: weights do not fit its {CONFIG_FILE}: missing keys {missing}, "
+                         f"unexpected keys {unexpected}, shape mismatches (file vs model) {shapes}")
+    return state
+
+
 def load_checkpoint(directory: str | Path, *, map_location: str | torch.device = "cpu") -> nn.Module:
     """Rebuild a model from `config.json` and load `model.safetensors` (strict), on `map_location`."""
     try:
@@ -327,7 +344,7 @@ def load_checkpoint(directory: str | Path, *, map_location: str | torch.device =
         raise ValueError(f"{d} is not a checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
     arch, config = _arch_and_config(d)
     model = ARCHS[arch][1](config)
-    model.load_state_dict(load_file(d / WEIGHTS_FILE, device="cpu"))
+    model.load_state_dict(_read_weights(d, model))
     return model.to(device)  # buffers too (a sincos table is not in the file)
 
 
