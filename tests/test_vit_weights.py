@@ -353,3 +353,11 @@ def test_load_checkpoint_names_weights_that_do_not_fit_the_config_in_one_value_e
         load_checkpoint(tmp_path)
     assert "\n" not in str(err.value)
 
+
+
+def test_load_checkpoint_refuses_an_arch_that_is_not_a_string(tmp_path):
+    save_checkpoint(create_model("ViT-Ti/16", image_size=32, depth=1), tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**meta, "arch": ["vit"]}))
+    with pytest.raises(ValueError, match=r"arch \['vit'\]"):
+        load_checkpoint(tmp_path)

@@ -306,7 +306,7 @@ def _arch_and_config(d: Path) -> tuple[str, Any]:
         arch = meta.get("arch")
     except (ValueError, AttributeError) as e:
         raise ValueError(f"checkpoint {d}: {CONFIG_FILE} is not a vit checkpoint config: {e}") from None
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:
         raise ValueError(f"checkpoint {d} has arch {arch!r}; registered archs are {sorted(ARCHS)}")
     config_cls = ARCHS[arch][0]
     try:
