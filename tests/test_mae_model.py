@@ -154,3 +154,32 @@ def test_masks_differ_between_ranks_and_micro_batches_of_one_step():
              for rank in (0, 1) for micro in (0, 1)}
     assert not torch.equal(masks[0, 0], masks[1, 0])
     assert not torch.equal(masks[0, 0], masks[0, 1])
+
+
+def test_a_corrupt_mae_decoder_file_is_one_value_error_naming_it(tmp_path):
+    from vit.mae import DECODER_FILE, load_mae, save_mae
+
+    save_mae(build(), tmp_path)
+    (tmp_path / DECODER_FILE).write_bytes(b"truncated")
+    with pytest.raises(ValueError, match=DECODER_FILE) as err:
+        load_mae(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_an_mae_checkpoint_of_another_shape_is_one_value_error_naming_the_directory(tmp_path):
+    from vit.mae import load_mae_weights, save_mae
+
+    save_mae(build(), tmp_path)
+    other = MaskedAutoencoder(encoder(), decoder_dim=8, decoder_depth=1, decoder_heads=2)
+    with pytest.raises(ValueError, match=str(tmp_path)) as err:
+        load_mae_weights(other, tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_an_mae_json_that_does_not_fit_the_options_is_one_value_error_naming_it(tmp_path):
+    from vit.mae import MAE_CONFIG_FILE, load_mae, save_mae
+
+    save_mae(build(), tmp_path)
+    (tmp_path / MAE_CONFIG_FILE).write_text('{"decoder_width": 16}')
+    with pytest.raises(ValueError, match=MAE_CONFIG_FILE):
+        load_mae(tmp_path)

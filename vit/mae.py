@@ -268,8 +268,17 @@ def load_mae_weights(mae: MaskedAutoencoder, directory: str | Path) -> None:
     d = Path(directory)
     if not (d / DECODER_FILE).is_file():
         raise ValueError(f"{d} holds no MAE decoder ({DECODER_FILE}): it is not an MAE checkpoint")
-    mae.encoder.load_state_dict(load_checkpoint(d).state_dict())
-    mae.decoder.load_state_dict(load_file(d / DECODER_FILE, device="cpu"))
+    try:
+        decoder = load_file(d / DECODER_FILE, device="cpu")
+    except Exception as e:  # safetensors raises its own error type (a truncated or foreign file)
+        raise ValueError(f"{d / DECODER_FILE} cannot be read as safetensors: {' '.join(str(e).split())}") from None
+    # torch's mismatch error spans many lines: one line naming the checkpoint instead.
+    for part, state in ((mae.encoder, load_checkpoint(d).state_dict()), (mae.decoder, decoder)):
+        try:
+            part.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(f"MAE checkpoint {d} does not fit this model's {type(part).__name__}: "
+                             f"{' '.join(str(e).split())}") from None
 
 
 def load_mae(directory: str | Path) -> MaskedAutoencoder:
@@ -277,7 +286,11 @@ def load_mae(directory: str | Path) -> MaskedAutoencoder:
     d = Path(directory)
     if not (d / MAE_CONFIG_FILE).is_file():
         raise ValueError(f"{d} holds no {MAE_CONFIG_FILE}: it is not an MAE checkpoint")
-    mae = MaskedAutoencoder(load_checkpoint(d), **json.loads((d / MAE_CONFIG_FILE).read_text()))
+    try:
+        options = json.loads((d / MAE_CONFIG_FILE).read_text())
+        mae = MaskedAutoencoder(load_checkpoint(d), **options)
+    except (TypeError, json.JSONDecodeError) as e:  # not JSON, not an object, or an unknown option
+        raise ValueError(f"{d / MAE_CONFIG_FILE} does not hold MAE options: {e}") from None
     load_mae_weights(mae, d)
     return mae
 
