@@ -125,3 +125,10 @@ def test_unsupported_weights_file(tmp_path, model):
     path.write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"weights\.npz: expected \.safetensors, \.bin, \.pth or \.pt"):
         load_pretrained(model, path)
+
+
+def test_an_image_with_a_side_of_zero_pixels_is_refused_naming_the_image(model):
+    with pytest.raises(ValueError) as e:
+        model(torch.randn(1, 3, 0, 16))
+    assert "0x16" in one_line(e) and "image" in one_line(e)
+

@@ -231,6 +231,8 @@ class VisionTransformer(nn.Module):
             h, w = x.shape[-2:]
             if h % p or w % p:
                 raise ValueError(f"expected image sides divisible by the patch size {p}, got {h}x{w}")
+            if not h or not w:  # 0 divides evenly but holds no patch
+                raise ValueError(f"expected an image of at least one {p}x{p} patch, got {h}x{w}")
             return self.patch_embed(x)
         if x.ndim == 3:
             n, d = x.shape[1:]
