@@ -132,3 +132,7 @@ def test_an_image_with_a_side_of_zero_pixels_is_refused_naming_the_image(model):
         model(torch.randn(1, 3, 0, 16))
     assert "0x16" in one_line(e) and "image" in one_line(e)
 
+
+def test_replace_head_refuses_a_bool_class_count(model):
+    with pytest.raises(ValueError, match="num_classes must be an int >= 0, got True"):
+        model.replace_head(True)

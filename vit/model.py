@@ -305,7 +305,7 @@ class VisionTransformer(nn.Module):
 
     def replace_head(self, num_classes: int) -> None:
         """Swap in a zero-initialised head for `num_classes` (paper §3.2); 0 removes the head."""
-        if not isinstance(num_classes, int) or num_classes < 0:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
             raise ValueError(f"num_classes must be an int >= 0, got {num_classes!r}")
         self.config = dataclasses.replace(self.config, num_classes=num_classes)
         self.head = zero_head(self.num_features, num_classes, like=self.norm.weight)
