@@ -297,3 +297,8 @@ def test_bad_inputs_raise_clear_errors():
         model.predict_multiview(video(bsz=1), crop_size=48)
     with pytest.raises(ValueError, match=r"expected frame features \(B, T, 32\)"):
         model.forward_features_from_frames(torch.randn(2, 8, 16))
+
+
+def test_an_empty_batch_of_videos_gives_an_empty_batch_of_logits():
+    assert tiny_vtn().eval()(video(bsz=0)).shape == (0, 5)
+

@@ -241,7 +241,7 @@ class VTN(nn.Module):
                 feats = self.backbone.pooled_features(flat)
             else:
                 feats = torch.cat([self.backbone.pooled_features(part) for part in flat.split(chunk_size)])
-        return feats.view(bsz, frames, -1)
+        return feats.view(bsz, frames, self.backbone.num_features)  # not -1: ambiguous for an empty batch
 
     def forward_features_from_frames(
         self,
