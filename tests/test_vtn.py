@@ -302,3 +302,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_an_empty_batch_of_videos_gives_an_empty_batch_of_logits():
     assert tiny_vtn().eval()(video(bsz=0)).shape == (0, 5)
 
+
+def test_a_video_of_zero_frames_is_refused_with_one_value_error():
+    with pytest.raises(ValueError, match=r"the video has no frames: got shape \(2, 0, 3, 32, 32\)"):
+        tiny_vtn()(video(frames=0))

@@ -235,6 +235,8 @@ class VTN(nn.Module):
         if chunk_size is not None and bad_chunk:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         bsz, frames = video.shape[:2]
+        if frames == 0:
+            raise ValueError(f"the video has no frames: got shape {tuple(video.shape)}")
         flat = video.reshape(bsz * frames, *video.shape[2:])
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.config.freeze_backbone):
             if chunk_size is None:
