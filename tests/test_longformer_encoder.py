@@ -158,3 +158,9 @@ def test_wrong_token_width_raises():
 def test_self_attention_refuses_an_attention_dropout_outside_0_to_1(rate):
     with pytest.raises(ValueError, match=rf"attn_dropout must be a probability in \[0, 1\), got {rate}"):
         LongformerSelfAttention(8, 2, window=4, attn_dropout=rate)
+
+
+@pytest.mark.parametrize("name, value", [("window", 4.0), ("dilation", "2"), ("window", None)])
+def test_a_window_or_dilation_that_is_neither_an_int_nor_a_list_is_one_value_error(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be one int or a list of 2 \(one per layer\), got {value!r}"):
+        tiny(**{name: value})

@@ -29,8 +29,9 @@ __all__ = ["LongformerConfig", "LongformerSelfAttention", "LongformerLayer", "Lo
 
 
 def _per_layer(name: str, value: int | list[int] | tuple[int, ...], depth: int) -> list[int]:
-    values = [value] * depth if isinstance(value, int) else list(value)
-    if len(values) != depth:
+    # A string or float is refused here, not split into characters or failing in list().
+    values = [value] * depth if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
+    if values is None or len(values) != depth:
         raise ValueError(f"{name} must be one int or a list of {depth} (one per layer), got {value!r}")
     return values
 
