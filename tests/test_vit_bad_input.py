@@ -136,3 +136,24 @@ def test_an_image_with_a_side_of_zero_pixels_is_refused_naming_the_image(model):
 def test_replace_head_refuses_a_bool_class_count(model):
     with pytest.raises(ValueError, match="num_classes must be an int >= 0, got True"):
         model.replace_head(True)
+
+
+@pytest.mark.parametrize("name, data", [("w.safetensors", b"junkjunkjunk"), ("w.bin", b"junk"),
+                                        ("w.pth", b"PK\x03\x04junk")])
+def test_a_corrupt_weights_file_is_one_value_error_naming_it(tmp_path, model, name, data):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=rf"{name} cannot be read as weights") as e:
+        load_pretrained(model, tmp_path / name)
+    one_line(e)
+
+
+def test_a_pickle_file_that_holds_no_state_dict_is_one_value_error_naming_it(tmp_path, model):
+    torch.save([1, 2], tmp_path / "w.pt")
+    with pytest.raises(ValueError, match=r"w\.pt holds a list, not a dict of tensors"):
+        load_pretrained(model, tmp_path / "w.pt")
+
+
+def test_a_sharded_index_without_a_weight_map_is_one_value_error_naming_it(tmp_path, model):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json has no weight_map"):
+        load_pretrained(model, tmp_path)

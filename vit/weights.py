@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,10 @@ def _resolve(path: Path) -> list[Path]:
     if path.is_dir():
         index = path / "model.safetensors.index.json"
         if index.is_file():  # sharded HF checkpoint
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ValueError(f"{index} has no weight_map naming the shard files") from None
             return [path / s for s in shards]
         for name in _DIR_CANDIDATES:
             if (path / name).is_file():
@@ -75,16 +79,21 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """
     out: dict[str, torch.Tensor] = {}
     for f in _resolve(Path(path)):
-        if f.suffix == ".safetensors":
-            out.update(load_file(f, device="cpu"))
-        elif f.suffix in (".bin", ".pth", ".pt"):
-            obj = torch.load(f, map_location="cpu", weights_only=True)
-            for key in ("state_dict", "model", "module"):  # common training-checkpoint wrappers
-                if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-                    obj = obj[key]
-            out.update({k: v for k, v in obj.items() if isinstance(v, torch.Tensor)})
-        else:
+        if f.suffix not in (".safetensors", ".bin", ".pth", ".pt"):
             raise ValueError(f"unsupported weights file {f.name}: expected .safetensors, .bin, .pth or .pt")
+        try:
+            obj = load_file(f, device="cpu") if f.suffix == ".safetensors" else torch.load(
+                f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise  # weights_only refused code: callers tell that refusal apart from corruption
+        except Exception as e:  # safetensors, pickle and zip readers each raise their own types
+            raise ValueError(f"{f} cannot be read as weights: {' '.join(str(e).split())[:200]}") from None
+        for key in ("state_dict", "model", "module"):  # common training-checkpoint wrappers
+            if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+                obj = obj[key]
+        if not isinstance(obj, dict):
+            raise ValueError(f"{f} holds a {type(obj).__name__}, not a dict of tensors")
+        out.update({k: v for k, v in obj.items() if isinstance(v, torch.Tensor)})
     return out
 
 
