@@ -74,10 +74,10 @@ def decode_video(data: bytes, size: int, select: Callable[[int], np.ndarray], *,
         if cc.width * cc.height > max_pixels:
             raise RejectedVideo(f"too many pixels ({cc.width}x{cc.height} > {max_pixels} per frame)")
         try:
-            packets = sum(1 for p in container.demux(stream) if p.size)
+            packets, data_end = _demux_pass(container, stream)
         except (av.FFmpegError, ValueError) as exc:
             raise RejectedVideo(f"corrupt or truncated ({_short(exc)})") from None
-        declared = _declared_seconds(container, stream)
+        declared, of_all_streams = _declared_seconds(container, stream)
         fps = float(stream.average_rate or stream.guessed_rate or 0.0)
     finally:
         container.close()
@@ -94,6 +94,8 @@ def decode_video(data: bytes, size: int, select: Callable[[int], np.ndarray], *,
             total, stored, times = _decode(data, size, set(wanted.tolist()))
     if declared and times is not None and fps > 0:
         covered = times[1] - times[0] + 1 / fps
+        if of_all_streams:  # the container's duration spans every stream: a longer audio track is no truncation
+            covered = max(covered, data_end)
         if covered < TRUNCATED_COVERAGE * declared - 1 / fps:
             raise RejectedVideo(f"corrupt or truncated (frames cover {covered:.2f} s of {declared:.2f} s declared)")
     if fps <= 0 and times is not None and times[1] > times[0]:
@@ -171,13 +173,28 @@ def _resize(frame, size: int) -> np.ndarray:
     return np.ascontiguousarray(arr[top:top + size, left:left + size])
 
 
-def _declared_seconds(container, stream) -> float:
-    """The video's duration as the container declares it (the stream's own when given), 0 if none."""
+def _demux_pass(container, stream) -> tuple[int, float]:
+    """(non-empty packets of the video stream, seconds from the start at which the last packet of any stream ends)."""
+    packets, end = 0, 0.0
+    for p in container.demux():
+        if p.stream.index == stream.index and p.size:
+            packets += 1
+        if p.pts is not None and p.time_base:
+            end = max(end, float((p.pts + (p.duration or 0)) * p.time_base))
+    return packets, end - (container.start_time or 0) / 1_000_000
+
+
+def _declared_seconds(container, stream) -> tuple[float, bool]:
+    """The video's declared duration (its own, else its Matroska DURATION tag, else the container's), 0 if none;
+    and whether it is the container's for several streams (then it is the longest stream's)."""
     if stream.duration and stream.time_base:
-        return float(stream.duration * stream.time_base)
+        return float(stream.duration * stream.time_base), False
+    tag = re.fullmatch(r"(\d+):(\d+):(\d+(?:\.\d*)?)", str(stream.metadata.get("DURATION", "")).strip())
+    if tag:
+        return int(tag[1]) * 3600 + int(tag[2]) * 60 + float(tag[3]), False
     if container.duration:
-        return container.duration / 1_000_000
-    return 0.0
+        return container.duration / 1_000_000, len(container.streams) > 1
+    return 0.0, False
 
 
 def _container_magic(data: bytes) -> bool:
