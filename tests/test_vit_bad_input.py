@@ -157,3 +157,10 @@ def test_a_sharded_index_without_a_weight_map_is_one_value_error_naming_it(tmp_p
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json has no weight_map"):
         load_pretrained(model, tmp_path)
+
+
+@pytest.mark.parametrize("overrides, message", [(dict(num_classes=True), "num_classes must be an int >= 0"),
+                                                (dict(dropout="0.1"), r"dropout must be in \[0, 1\)")])
+def test_a_config_value_of_the_wrong_type_is_one_value_error_not_a_silent_head_or_type_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ViTConfig(**overrides)

@@ -8,6 +8,7 @@ overrides into a validated config. Nothing here builds modules.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ def positive_int(name: str, value: Any) -> None:
 
 
 def _rate(name: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
@@ -128,7 +129,7 @@ class ViTConfig:
             raise ValueError(f"hybrid must be a ResNetStemConfig, a dict or None, got {self.hybrid!r}")
         for name in ("patch_size", "in_channels", "embed_dim", "depth", "num_heads", "mlp_dim"):
             positive_int(name, getattr(self, name))
-        if not isinstance(self.num_classes, int) or self.num_classes < 0:
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ValueError(f"num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
