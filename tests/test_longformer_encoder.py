@@ -164,3 +164,9 @@ def test_self_attention_refuses_an_attention_dropout_outside_0_to_1(rate):
 def test_a_window_or_dilation_that_is_neither_an_int_nor_a_list_is_one_value_error(name, value):
     with pytest.raises(ValueError, match=rf"{name} must be one int or a list of 2 \(one per layer\), got {value!r}"):
         tiny(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["dropout", "attn_dropout"])
+def test_a_config_rate_that_is_not_a_number_is_one_value_error(name):
+    with pytest.raises(ValueError, match=rf"{name} must be in \[0, 1\), got '0.1'"):
+        tiny(**{name: "0.1"})

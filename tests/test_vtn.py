@@ -306,3 +306,9 @@ def test_an_empty_batch_of_videos_gives_an_empty_batch_of_logits():
 def test_a_video_of_zero_frames_is_refused_with_one_value_error():
     with pytest.raises(ValueError, match=r"the video has no frames: got shape \(2, 0, 3, 32, 32\)"):
         tiny_vtn()(video(frames=0))
+
+
+@pytest.mark.parametrize("name", ["dropout", "attn_dropout", "head_dropout"])
+def test_a_rate_that_is_not_a_number_is_one_value_error(name):
+    with pytest.raises(ValueError, match=rf"{name} must be in \[0, 1\), got '0.1'"):
+        VTNConfig(**{name: "0.1"})

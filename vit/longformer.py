@@ -7,6 +7,7 @@ The global projections start as copies of the local ones, as in the paper.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -64,8 +65,9 @@ class LongformerConfig:
         if self.ffn_size < 1:
             raise ValueError(f"ffn_size must be positive, got {self.ffn_size}")
         for name in ("attn_dropout", "dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {rate!r}")
         self.windows = _per_layer("window", self.window, self.depth)
         self.dilations = _per_layer("dilation", self.dilation, self.depth)
         for w in self.windows:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -76,8 +77,9 @@ class VTNConfig:
                 f"temporal_pos_embed must be one of {TEMPORAL_POS_EMBEDS}, got {self.temporal_pos_embed!r}"
             )
         for name in ("dropout", "attn_dropout", "head_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {rate!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; `VTNConfig(**d)` rebuilds the same config."""
