@@ -361,3 +361,12 @@ def test_load_checkpoint_refuses_an_arch_that_is_not_a_string(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**meta, "arch": ["vit"]}))
     with pytest.raises(ValueError, match=r"arch \['vit'\]"):
         load_checkpoint(tmp_path)
+
+
+def test_a_torch_compile_wrapped_model_saves_the_checkpoint_of_the_model_it_wraps(tmp_path):
+    model = create_model("ViT-Ti/16", image_size=32, depth=1, num_classes=2).eval()
+    save_checkpoint(torch.compile(model), tmp_path)  # saving runs no forward, so nothing is compiled
+    restored = load_checkpoint(tmp_path).eval()
+    assert set(load_file(tmp_path / "model.safetensors")) == set(model.state_dict())
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(restored(x), model(x), rtol=0, atol=0)

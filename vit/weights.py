@@ -292,7 +292,9 @@ def _arch_of(model: nn.Module) -> str:
 
 
 def save_checkpoint(model: nn.Module, directory: str | Path) -> Path:
-    """Write `model.safetensors` and `config.json` (with its `"arch"`) into `directory`."""
+    """Write `model.safetensors` and `config.json` (with its `"arch"`) into `directory`; a `torch.compile`
+    wrapper is saved as the model it wraps, so the checkpoint loads into an eager model."""
+    model = getattr(model, "_orig_mod", model)  # OptimizedModule: its state dict would prefix every key
     arch = _arch_of(model)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
