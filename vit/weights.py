@@ -326,6 +326,12 @@ def _arch_and_config(d: Path) -> tuple[str, Any]:
         raise ValueError(f"checkpoint {d}: config.json does not fit {config_cls.__name__}: {e}") from None
 
 
+def _few(items: list[str], shown: int = 5) -> str:
+    """The first `shown` items and how many more: a model of another depth misses hundreds of keys."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return f"[{', '.join(items[:shown])}]{more}"
+
+
 def _read_weights(d: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, checked against `model`: any failure is one ValueError naming the file."""
     f = d / WEIGHTS_FILE
@@ -338,8 +344,8 @@ def _read_weights(d: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     shapes = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
               if k in own and v.shape != own[k].shape]
     if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {f}: weights do not fit its {CONFIG_FILE}: missing keys {missing}, "
-                         f"unexpected keys {unexpected}, shape mismatches (file vs model) {shapes}")
+        raise ValueError(f"checkpoint {f}: weights do not fit its {CONFIG_FILE}: missing keys {_few(missing)}, "
+                         f"unexpected keys {_few(unexpected)}, shape mismatches (file vs model) {_few(shapes)}")
     return state
 
 
