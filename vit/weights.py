@@ -82,8 +82,10 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         if f.suffix not in (".safetensors", ".bin", ".pth", ".pt"):
             raise ValueError(f"unsupported weights file {f.name}: expected .safetensors, .bin, .pth or .pt")
         try:
-            obj = load_file(f, device="cpu") if f.suffix == ".safetensors" else torch.load(
-                f, map_location="cpu", weights_only=True)
+            if f.suffix == ".safetensors":
+                obj = load_file(f, device="cpu")
+            else:
+                obj = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             raise  # weights_only refused code: callers tell that refusal apart from corruption
         except Exception as e:  # safetensors, pickle and zip readers each raise their own types
