@@ -28,8 +28,8 @@ import tarfile
 from collections.abc import Iterator
 from typing import Any
 
-from pipelines.core.errors import ObjectTooLarge, StorageError, StoreAccessError, TransientStorageError
-from pipelines.core.storage import S3Store, Store
+from pipelines.core.errors import StorageError, StoreAccessError, TransientStorageError
+from pipelines.core.store import Store
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 # (sample key, image bytes, label or None)
@@ -60,7 +60,7 @@ def tar_samples(
     at = 0  # where the member or header being read begins
     current, parts = None, {}
     try:
-        with _open_stream(source, key) as raw, tarfile.open(fileobj=raw, mode="r|", tarinfo=_StrictHeader) as tar:
+        with source.open_input(key) as raw, tarfile.open(fileobj=raw, mode="r|", tarinfo=_StrictHeader) as tar:
             for member in tar:
                 at = member.offset
                 if not member.isfile():
@@ -88,38 +88,14 @@ def tar_samples(
         yield from _sample(current, parts, rejected, labeled, label_field)
 
 
-def _open_stream(source: Store, key: str, *, seekable: bool = False) -> Any:
-    """A byte stream of `key` (one GET on S3), or a seekable file of it."""
-    fs, path = source.arrow(key)
-    if isinstance(source, S3Store) and "" in path.split("/"):
-        # pyarrow refuses an empty path component ("a//b.tar"), an ordinary key on S3.
-        return source.open_input(key)
-    return fs.open_input_file(path) if seekable else fs.open_input_stream(path)
-
-
 def _read_failed(source: Store, key: str, exc: Exception, rejected: list[dict[str, str]]) -> None:
     """A read error: raise it when its cause may pass (Ray retries the shard task) or holds for the
     whole store (credentials, bucket: the stage fails); a cause of this file alone (it went missing,
     access to it is denied) rejects the rest of the file with its reason."""
-    err = source.error(exc, key)
-    if type(err) is StorageError and isinstance(source, S3Store):
-        err = _cause_on_get(source, key, err)
+    err = source.read_error(exc, key)
     if isinstance(err, (TransientStorageError, StoreAccessError)):
         raise err from None
     rejected.append({"key": key, "reason": err.message.removeprefix(f"{source.child_uri(key)}: ")})
-
-
-def _cause_on_get(source: S3Store, key: str, err: StorageError) -> StorageError:
-    """The cause S3 names for `key` on a GET, where pyarrow's HEAD got none: S3 answers a HEAD's
-    403 without a body, so an unknown key or a wrong secret (the whole store) reads as this file's
-    "access denied". The GET stops at its headers (a byte cap of 0), so no body is read."""
-    try:
-        source.read(key, max_bytes=0)
-    except ObjectTooLarge:
-        pass  # readable now: the first error stands
-    except StorageError as cause:
-        return cause
-    return err
 
 
 def _sample(
@@ -177,7 +153,7 @@ def parquet_samples(
     columns = [image_column] + ([label_column] if label_column else [])
     row = 0
     try:
-        table = pq.ParquetFile(_open_stream(source, key, seekable=True))
+        table = pq.ParquetFile(source.open_input(key, seekable=True))
         missing = [c for c in columns if c not in table.schema_arrow.names]
         if missing:
             names = ", ".join(table.schema_arrow.names)

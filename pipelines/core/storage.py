@@ -1,8 +1,7 @@
 """Object storage for the stages: local folders and `s3://` (AWS or any S3-compatible endpoint).
 
-A `Store` is a root URI plus the few operations the stages need, addressed by
-keys relative to that root: paginated sorted listing, whole-object reads,
-atomic writes, deletes, and a pyarrow filesystem for Parquet readers.
+The `Store` interface is `pipelines.core.store`; local folders are `pipelines.core.local_store`;
+this module holds S3 and picks a store for a URI.
 Endpoints and retries are `pipelines.core.s3.S3Settings` (re-exported here); credentials
 come from each process's own AWS chain. A read raises `TransientStorageError` when its
 cause may pass, `StoreAccessError` when the store refuses this process whatever the object
@@ -16,201 +15,21 @@ import os
 import random
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from pipelines.core.errors import ObjectTooLarge, StorageError, TransientStorageError
+from pipelines.core.local_store import LocalStore
 from pipelines.core.s3 import S3Settings, storage_error
 from pipelines.core.s3_file import open_object
+from pipelines.core.store import TMP_PREFIX, Entry, Store, check_size, is_hidden
 from pipelines.core.uris import Location, join_key, parse_uri
 
 __all__ = [
     "Entry", "LocalStore", "Location", "S3Settings", "S3Store", "Store",
     "join_key", "open_store", "parse_uri", "ray_storage", "storage_error",
 ]
-
-_TMP_PREFIX = ".tmp-vitpipe-"
-
-Entry = tuple[str, int, str]  # a listed object: key, size in bytes, version (ETag or mtime)
-
-
-# ---------------------------------------------------------------- stores
-
-
-class Store:
-    """A storage root; keys are relative to it and use "/" separators."""
-
-    uri: str
-
-    def list_pages(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[str]]:
-        """Keys under `prefix` in lexicographic order, a page at a time.
-
-        Names starting with "." (editor files, our own temporary files) are skipped unless `hidden`.
-        """
-        for page in self.list_entries(prefix, page_size, hidden=hidden):
-            yield [key for key, _, _ in page]
-
-    def list_entries(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[Entry]]:
-        """Like `list_pages`, with each key's size and version (S3: the ETag; local: mtime in ns):
-        what tells a reread object from a replaced one, at no cost beyond the listing."""
-        raise NotImplementedError
-
-    def read(self, key: str, max_bytes: int | None = None) -> bytes:
-        """The object's bytes. Raises `ObjectTooLarge` (before reading the body) over `max_bytes`, and
-        otherwise the errors of the module docstring."""
-        raise NotImplementedError
-
-    def write(self, key: str, data: bytes) -> None:
-        """Write an object atomically: readers see the old object, the new one, or nothing."""
-        with self.atomic_path(key) as path, open(path, "wb") as f:
-            f.write(data)
-
-    @contextmanager
-    def atomic_path(self, key: str) -> Iterator[str]:
-        """A local file path to write; when the block ends without error it becomes `key` atomically."""
-        raise NotImplementedError
-        yield ""
-
-    def exists(self, key: str) -> bool:
-        raise NotImplementedError
-
-    def delete(self, key: str) -> None:
-        raise NotImplementedError
-
-    def check(self) -> None:
-        """Raise a one-line `StorageError` when the root cannot be reached (missing bucket, bad credentials)."""
-        raise NotImplementedError
-
-    def arrow(self, key: str = "") -> tuple[Any, str]:
-        """`(pyarrow filesystem, path)` for `key`, for Parquet readers."""
-        raise NotImplementedError
-
-    def child_uri(self, key: str) -> str:
-        return f"{self.uri.rstrip('/')}/{key}" if key else self.uri
-
-    def listed_key(self, key: str) -> str:
-        """The key under which the listing holds the object a read of `key` reaches (S3: `key` itself;
-        `a//b` is another object than `a/b` there)."""
-        return key
-
-    def error(self, exc: BaseException, key: str = "") -> StorageError:
-        return storage_error(self.child_uri(key), exc, getattr(self, "settings", None))
-
-
-def _is_hidden(key: str) -> bool:
-    return any(part.startswith(".") for part in key.split("/"))
-
-
-def _is_dir(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_dir()
-    except OSError:  # cannot tell: listed as a file, whose read then names the cause
-        return False
-
-
-def _size_and_version(entry: os.DirEntry[str]) -> tuple[int, str]:
-    """A listed file's size and version (its mtime). One that cannot be examined (a dangling symlink, a
-    file removed since) is listed without a version, as S3 lists a key its GET then fails on: its read
-    rejects it with its cause, and once readable its new version rereads it."""
-    try:
-        stat = entry.stat()
-    except OSError:
-        return 0, ""
-    return stat.st_size, str(stat.st_mtime_ns)
-
-
-class LocalStore(Store):
-    """A local directory; writes go to a temporary name and are renamed into place."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.uri = root
-
-    def listed_key(self, key: str) -> str:
-        # A read joins the parts of `key`, so `./a.jpg` and `cat//a.jpg` reach `a.jpg` and `cat/a.jpg`.
-        return "/".join(part for part in key.split("/") if part not in ("", "."))
-
-    def _path(self, key: str) -> str:
-        if key.startswith("/") or ".." in key.split("/"):
-            raise StorageError(f"{self.child_uri(key)}: key escapes the storage root")
-        return os.path.join(self.root, *key.split("/")) if key else self.root
-
-    def list_entries(self, prefix: str = "", page_size: int = 1000, *, hidden: bool = False) -> Iterator[list[Entry]]:
-        page: list[Entry] = []
-        start = self._path(prefix)
-        if prefix and not os.path.isdir(start) and os.path.isdir(self.root):
-            return  # like S3: an absent sub-prefix lists nothing
-        for key, entry in self._walk(start, prefix, hidden, set()):
-            page.append((key, *_size_and_version(entry)))
-            if len(page) >= page_size:
-                yield page
-                page = []
-        if page:
-            yield page
-
-    def _walk(self, directory: str, rel: str, hidden: bool, seen: set[str]) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        # Sort each directory by the key its entries produce ("a/..." after "a.txt"),
-        # so the walk yields keys in the same order as an S3 listing.
-        real = os.path.realpath(directory)
-        if real in seen:  # a symlink loop
-            return
-        seen.add(real)
-        try:  # a folder that cannot be read fails the listing in its own name: its files are unknown
-            with os.scandir(directory) as it:
-                entries = [(e.name + "/" if _is_dir(e) else e.name, e) for e in it if hidden or not e.name.startswith(".")]
-        except OSError as exc:
-            raise self.error(exc, rel) from None
-        for sort_key, entry in sorted(entries, key=lambda t: t[0]):
-            key = join_key(rel, entry.name)
-            if sort_key.endswith("/"):
-                yield from self._walk(entry.path, key, hidden, seen)
-            else:
-                yield key, entry
-
-    def read(self, key: str, max_bytes: int | None = None) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                _check_size(self.child_uri(key), os.fstat(f.fileno()).st_size, max_bytes)
-                return f.read()
-        except OSError as exc:
-            raise self.error(exc, key) from None
-
-    @contextmanager
-    def atomic_path(self, key: str) -> Iterator[str]:
-        path = self._path(key)
-        directory, name = os.path.split(path)
-        tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}-{name}")
-        try:
-            os.makedirs(directory, exist_ok=True)
-            yield tmp
-            os.replace(tmp, path)  # atomic on POSIX within one filesystem
-        except OSError as exc:
-            raise self.error(exc, key) from None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
-
-    def delete(self, key: str) -> None:
-        try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise self.error(exc, key) from None
-
-    def check(self) -> None:
-        if not os.path.isdir(self.root):
-            raise StorageError(f"{self.root}: {'is not a directory' if os.path.exists(self.root) else 'does not exist'}")
-
-    def arrow(self, key: str = "") -> tuple[Any, str]:
-        import pyarrow.fs as pafs
-
-        return pafs.LocalFileSystem(), self._path(key)
 
 
 class S3Store(Store):
@@ -273,10 +92,10 @@ class S3Store(Store):
                     (obj["Key"][strip:], int(obj.get("Size", 0)), str(obj.get("ETag", "")))
                     for obj in page.get("Contents", [])
                     if obj["Key"][strip:] and not (obj["Key"].endswith("/") and not obj.get("Size"))
-                    and (hidden or not _is_hidden(obj["Key"][strip:]))
+                    and (hidden or not is_hidden(obj["Key"][strip:]))
                 ]
                 folders = [p["Prefix"][strip:] for p in page.get("CommonPrefixes", [])
-                           if hidden or not _is_hidden(p["Prefix"][strip:-1])]
+                           if hidden or not is_hidden(p["Prefix"][strip:-1])]
                 yield entries, folders
         except Exception as exc:  # botocore raises several unrelated types
             raise self.error(exc, prefix[strip:]) from None
@@ -291,7 +110,7 @@ class S3Store(Store):
                 raise self.error(exc, key) from None
             try:
                 with response["Body"] as body:
-                    _check_size(self.child_uri(key), int(response["ContentLength"]), max_bytes)
+                    check_size(self.child_uri(key), int(response["ContentLength"]), max_bytes)
                     return body.read()
             except Exception as exc:
                 err = self.error(exc, key)
@@ -300,10 +119,27 @@ class S3Store(Store):
             time.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
         raise AssertionError("itertools.count never ends")
 
-    def open_input(self, key: str) -> Any:
-        """The object as a seekable, buffered binary file read with ranged GETs: for the keys pyarrow
-        refuses (`a//b`); errors are this store's one-line `StorageError`s."""
-        return open_object(self.client, self.bucket, self._key(key), lambda exc: self.error(exc, key))
+    def open_input(self, key: str, *, seekable: bool = False) -> Any:
+        if "" in self._key(key).split("/"):
+            # pyarrow refuses an empty path component ("a//b.tar"), an ordinary key on S3: such a key
+            # is read as a seekable file of ranged GETs, whose errors are already one-line.
+            return open_object(self.client, self.bucket, self._key(key), lambda exc: self.error(exc, key))
+        return super().open_input(key, seekable=seekable)
+
+    def read_error(self, exc: BaseException, key: str) -> StorageError:
+        # S3 answers a HEAD's 403 without a body, so pyarrow's opening HEAD reads an unknown key or a
+        # wrong secret (the whole store) as this file's "access denied". A GET names the cause; it
+        # stops at its headers (a byte cap of 0), so no body is read.
+        err = self.error(exc, key)
+        if type(err) is not StorageError:
+            return err
+        try:
+            self.read(key, max_bytes=0)
+        except ObjectTooLarge:
+            pass  # readable now: the first error stands
+        except StorageError as cause:
+            return cause
+        return err
 
     def write(self, key: str, data: bytes) -> None:
         # A PUT is atomic: the object appears whole or not at all.
@@ -316,7 +152,7 @@ class S3Store(Store):
     def atomic_path(self, key: str) -> Iterator[str]:
         # Staged in a local file, then uploaded: a single PUT, or a multipart upload that
         # only becomes visible when it completes.
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX)
         os.close(fd)
         try:
             yield tmp
@@ -356,11 +192,6 @@ class S3Store(Store):
         if self._filesystem is None:
             self._filesystem = self.settings.arrow_filesystem()
         return self._filesystem, f"{self.bucket}/{self._key(key)}"
-
-
-def _check_size(uri: str, size: int, max_bytes: int | None) -> None:
-    if max_bytes is not None and size > max_bytes:
-        raise ObjectTooLarge(f"{uri}: too large ({size} bytes > max_object_bytes {max_bytes})")
 
 
 def open_store(uri: str, settings: S3Settings | None = None, *, endpoint_url: str | None = None) -> Store:
