@@ -30,7 +30,7 @@ from vit.config import ViTConfig
 from vit.model import Block, VisionTransformer
 from vit.patches import grid_size, patchify, unpatchify
 from vit.pos_embed import check_grid, sincos_2d
-from vit.weights import load_checkpoint, save_checkpoint
+from vit.weights import load_checkpoint, one_line, save_checkpoint
 
 DECODER_FILE = "mae_decoder.safetensors"
 MAE_CONFIG_FILE = "mae.json"
@@ -271,14 +271,14 @@ def load_mae_weights(mae: MaskedAutoencoder, directory: str | Path) -> None:
     try:
         decoder = load_file(d / DECODER_FILE, device="cpu")
     except Exception as e:  # safetensors raises its own error type (a truncated or foreign file)
-        raise ValueError(f"{d / DECODER_FILE} cannot be read as safetensors: {' '.join(str(e).split())}") from None
+        raise ValueError(f"{d / DECODER_FILE} cannot be read as safetensors: {one_line(e)}") from None
     # torch's mismatch error spans many lines: one line naming the checkpoint instead.
     for part, state in ((mae.encoder, load_checkpoint(d).state_dict()), (mae.decoder, decoder)):
         try:
             part.load_state_dict(state)
         except RuntimeError as e:
             raise ValueError(f"MAE checkpoint {d} does not fit this model's {type(part).__name__}: "
-                             f"{' '.join(str(e).split())}") from None
+                             f"{one_line(e)}") from None
 
 
 def load_mae(directory: str | Path) -> MaskedAutoencoder:

@@ -33,6 +33,11 @@ CONFIG_FILE = "config.json"
 _DIR_CANDIDATES = ("model.safetensors", "pytorch_model.bin", "model.pth", "pytorch_model.pth")
 
 
+def one_line(err: BaseException, limit: int | None = None) -> str:
+    """An error's message on one line (readers' messages span lines), cut at `limit` characters."""
+    return " ".join(str(err).split())[:limit]
+
+
 @dataclass
 class LoadResult:
     """Keys left unmatched by a non-strict load."""
@@ -89,7 +94,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         except pickle.UnpicklingError:
             raise  # weights_only refused code: callers tell that refusal apart from corruption
         except Exception as e:  # safetensors, pickle and zip readers each raise their own types
-            raise ValueError(f"{f} cannot be read as weights: {' '.join(str(e).split())[:200]}") from None
+            raise ValueError(f"{f} cannot be read as weights: {one_line(e, 200)}") from None
         for key in ("state_dict", "model", "module"):  # common training-checkpoint wrappers
             if isinstance(obj, dict) and isinstance(obj.get(key), dict):
                 obj = obj[key]
@@ -340,7 +345,7 @@ def _read_weights(d: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     try:
         state = load_file(f, device="cpu")
     except Exception as e:  # safetensors raises its own error type (a truncated or foreign file)
-        raise ValueError(f"checkpoint {f} cannot be read as safetensors: {' '.join(str(e).split())}") from None
+        raise ValueError(f"checkpoint {f} cannot be read as safetensors: {one_line(e)}") from None
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shapes = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
@@ -373,6 +378,7 @@ __all__ = [
     "checkpoint_config",
     "load_checkpoint",
     "load_pretrained",
+    "one_line",
     "read_state_dict",
     "register_arch",
     "save_checkpoint",

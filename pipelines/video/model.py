@@ -17,6 +17,7 @@ import vit
 from pipelines.training.starting_weights import Origin, fetch_starting_weights, init_kind
 from vit.longformer import LongformerConfig
 from vit.vtn import VTN, VTN_PRESETS, VTNConfig
+from vit.weights import one_line
 
 # VTNConfig fields the stages set themselves (the rest may be given in `vtn`).
 MANAGED_VTN_FIELDS = {"backbone", "backbone_overrides", "freeze_backbone", "num_classes", "num_frames",
@@ -78,7 +79,7 @@ def check_backbone_choice(init: str | None, backbone: str | None, overrides: dic
         try:
             vit.preset_config(backbone, **overrides)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"backbone {backbone!r}: {' '.join(str(err).split())}") from None
+            raise ValueError(f"backbone {backbone!r}: {one_line(err)}") from None
     elif backbone not in vit.list_models():
         raise ValueError(f"backbone {backbone!r}: unknown model (a ViT such as 'ViT-B/16', or one of "
                          f"{', '.join(m for m in vit.list_models() if m not in VTN_PRESETS)})")
@@ -98,7 +99,7 @@ def check_vtn_fields(value: dict[str, Any]) -> dict[str, Any]:
         LongformerConfig(hidden_size=c.num_heads, num_heads=c.num_heads, depth=c.depth, ffn_size=1,
                          window=c.window, dilation=c.dilation)  # windows and dilations per layer
     except (TypeError, ValueError) as err:
-        raise ValueError(" ".join(str(err).split())) from None
+        raise ValueError(one_line(err)) from None
     return value
 
 
@@ -151,7 +152,7 @@ def build_initial_model(config: ModelFields, num_classes: int, tracking_uri: str
     try:
         model = VTN(vtn_config)
     except ValueError as err:
-        raise ValueError(f"vtn: {' '.join(str(err).split())}") from None
+        raise ValueError(f"vtn: {one_line(err)}") from None
     if weights is not None:
         model.backbone.load_state_dict(weights)
     return InitialModel(model, size, source, run_id)
