@@ -40,7 +40,7 @@ from pydantic import (
 from pipelines.core.errors import VitpipeError
 from pipelines.core.stage_config import error_message, parse_overrides, yaml_syntax_error
 from pipelines.core.storage import parse_uri
-from pipelines.core.uris import resolve_tracking_uri
+from pipelines.core.uris import Location, resolve_tracking_uri
 from pipelines.stages import KINDS, RUN, STAGES, Fill
 
 Kind = Literal[KINDS]  # type: ignore[valid-type]  # the registry's kinds
@@ -143,6 +143,7 @@ class PipelineSpec(BaseModel):
             self.inputs_of(name)
         for name in self.stages:
             self._validate_stage(name)
+        self._check_outputs()
         return self
 
     # ------------------------------------------------------------ public API
@@ -268,6 +269,20 @@ class PipelineSpec(BaseModel):
         field = ".".join(str(p) for p in first["loc"])
         where = f"stage '{name}'" + (f" field '{field}'" if field else "")
         self._fail(where, str(first["msg"]).removeprefix("Value error, "))
+
+    def _check_outputs(self) -> None:
+        # A second stage writing to one place replaces the first's shards: its dependents read the other's data.
+        writers: dict[tuple[str | None, Location], str] = {}
+        for name in self.stages:
+            config = self.resolved_config(name)
+            if config.get("output") is None:
+                continue
+            where = parse_uri(config["output"])  # one bucket and prefix on two S3 endpoints: two places
+            key = (config.get("endpoint_url") if where.scheme == "s3" else None, where)
+            if key in writers:
+                self._fail(f"stage '{name}' field 'output'",
+                           f"{where.uri} is also the output of stage '{writers[key]}'; each stage needs its own")
+            writers[key] = name
 
     def _check_key(self, kind: str, key: str, where: str) -> None:
         if key in PIPELINE_OWNED:

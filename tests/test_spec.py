@@ -265,3 +265,30 @@ def test_spec_is_a_validated_model(tmp_path: Path) -> None:
 def test_ingest_takes_no_inputs(tmp_path: Path) -> None:
     message = bad(tmp_path, "target: {kind: ingest, ", "target: {kind: ingest, inputs: [raw], ")
     assert message.endswith("stage 'target' field 'inputs': 'raw' is an ingest stage; an ingest stage takes no inputs")
+
+
+def test_two_stages_writing_one_output_are_refused_naming_both(tmp_path: Path) -> None:
+    # The second ingest would overwrite the first's shards: its dependents would read the other data.
+    text = GOOD.replace("source: corpus,", "source: corpus, output: shared,").replace(
+        "source: digits,", "source: digits, output: ./shared/,")
+    message = error_of(write(tmp_path, text))
+    assert message.endswith(f"stage 'target' field 'output': {Path('shared').absolute()} is also the output of "
+                            "stage 'raw'; each stage needs its own")
+
+
+def test_an_output_set_to_another_stages_own_output_folder_is_refused(tmp_path: Path) -> None:
+    text = GOOD.replace("source: digits,", "source: digits, output: store/data/raw,")
+    assert "stage 'target' field 'output': " in error_of(write(tmp_path, text))
+    assert "is also the output of stage 'raw'" in error_of(write(tmp_path, text))
+
+
+def test_an_output_in_an_ingest_default_would_be_shared_by_every_ingest_and_is_refused(tmp_path: Path) -> None:
+    text = GOOD.replace("defaults:\n", "defaults:\n  ingest: {output: s3://bucket/shards}\n")
+    assert error_of(write(tmp_path, text)).endswith(
+        "stage 'target' field 'output': s3://bucket/shards is also the output of stage 'raw'; each stage needs its own")
+
+
+def test_one_output_path_on_two_s3_endpoints_is_two_outputs(tmp_path: Path) -> None:
+    text = GOOD.replace("source: corpus,", "source: corpus, output: s3://bucket/x, endpoint_url: 'http://127.0.0.1:1',"
+                        ).replace("source: digits,", "source: digits, output: s3://bucket/x, endpoint_url: 'http://127.0.0.1:2',")
+    assert load_spec(write(tmp_path, text)).resolved_config("target")["output"] == "s3://bucket/x"
