@@ -121,6 +121,16 @@ def test_supervised_pretraining_on_an_unlabeled_ingest_fails_first_with_one_line
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran, nothing recorded
 
 
+@pytest.mark.parametrize("ratio, keeps", [(0.99, 0), (0.01, 16)])
+def test_a_mask_ratio_that_leaves_no_patch_of_a_kind_is_refused_before_anything_runs(unlabeled, tmp_path, ratio, keeps):
+    # The tiny ingest holds 16 patches per image: 0.99 masks them all, 0.01 none.
+    config = mae_config(unlabeled, tmp_path, f"sqlite:///{tmp_path}/mlflow.db", mask_ratio=ratio)
+    with pytest.raises(ValueError, match=rf"^mask_ratio {ratio} on 16 patches keeps {keeps}: ") as info:
+        run_pretrain(config)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran, nothing recorded
+
+
 # ---------------------------------------------------------------- one MAE run
 
 

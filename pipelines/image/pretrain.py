@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
 import vit
-from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae
+from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae, num_visible
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.errors import VitpipeError
@@ -88,6 +88,7 @@ def model_overrides(config: PretrainConfig, manifest: dict[str, Any]) -> dict[st
         if not vit.is_vit_name(config.model) or config.model.startswith("R50+"):
             raise ValueError(f"objective mae needs a plain ViT encoder, got model {config.model!r}")
         out["num_classes"] = 0  # the encoder's head goes unused: fine-tuning puts one on
+        num_visible(manifest["num_patches"], config.mask_ratio)  # here, not in every worker (with its retries)
     out.setdefault("num_classes", num_classes(manifest))
     derived: dict[str, Any] = {}
     if vit.is_vit_name(config.model):  # other families (e.g. VTN) size their inputs their own way
