@@ -53,9 +53,12 @@ free_port() {
 }
 
 cluster_pids() {
-  # Every Ray process of this cluster carries its temp dir in its arguments (one grep over them all;
-  # the pattern comes from a file, or grep would find its own arguments).
-  grep -laFf <(printf '=%s\n' "$RAY_TMP") /proc/[0-9]*/cmdline 2> /dev/null | cut -d/ -f3 || true
+  # Every Ray process of this cluster carries its temp dir in its arguments, as `=DIR` or `=DIR/...`
+  # (not `=DIR0`: another cluster's). One grep over them all, each argument a NUL-ended record; the
+  # pattern comes from a file, or grep would find its own arguments.
+  local dir
+  dir="$(sed 's/[][\.*^$+?(){}|]/\\&/g' <<< "$RAY_TMP")"
+  grep -lazEf <(printf '=%s(/|$)\n' "$dir") /proc/[0-9]*/cmdline 2> /dev/null | cut -d/ -f3 || true
 }
 
 worker_resources() {
