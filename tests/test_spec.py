@@ -292,3 +292,17 @@ def test_one_output_path_on_two_s3_endpoints_is_two_outputs(tmp_path: Path) -> N
     text = GOOD.replace("source: corpus,", "source: corpus, output: s3://bucket/x, endpoint_url: 'http://127.0.0.1:1',"
                         ).replace("source: digits,", "source: digits, output: s3://bucket/x, endpoint_url: 'http://127.0.0.1:2',")
     assert load_spec(write(tmp_path, text)).resolved_config("target")["output"] == "s3://bucket/x"
+
+
+def test_the_demo_specs_sharing_one_work_directory_write_each_output_with_one_config() -> None:
+    # demo.yaml, mae_demo.yaml and video_demo.yaml all keep their outputs under vitpipe-work: two stages
+    # writing one place with different configs would rewrite each other's data on every switch of spec.
+    writers: dict[str, tuple[str, dict]] = {}
+    for name in ("demo.yaml", "mae_demo.yaml", "video_demo.yaml"):
+        spec = load_spec(SPECS / name)
+        for stage in spec.stages:
+            config = spec.resolved_config(stage)
+            if "output" not in config:
+                continue
+            first = writers.setdefault(config["output"], (f"{name}:{stage}", config))
+            assert first[1] == config, f"{name}:{stage} and {first[0]} both write {config['output']}"
