@@ -3,21 +3,18 @@
     name: demo
     storage: {root: ./vitpipe-work, endpoint_url: null}   # or s3://bucket/prefix
     tracking_uri: sqlite:///mlflow.db                     # optional, see resolve_tracking_uri
-    defaults:                                             # per stage kind, under each stage's fields
-      finetune: {model: ViT-Ti/4}
+    defaults: {finetune: {model: ViT-Ti/4}}               # per stage kind, under each stage's fields
     stages:
       corpus:   {kind: ingest, source: ./corpus, image_size: 16, patch_size: 4}
       pretrain: {kind: pretrain, inputs: [corpus], steps: 1200}
 
-A stage is `kind`, `inputs` (upstream stage names, or existing MLflow run ids /
-`runs:/` / `models:/` URIs) and the fields of its kind's config model. The
-stage registry (`pipelines.stages`) says which field each input fills (e.g.
-pretrain's `data` from its ingest input, fine-tune's `init` from its pretrain
-input); the pipeline fills `tracking_uri`/`experiment` for every stage
-and, unless a stage sets them, `endpoint_url`, ingest's and embed's `output`
-(`<root>/data/<stage>`) and pretrain/fine-tune's `storage` (`<root>/runs`).
-Everything is checked by `load_spec` before anything runs; a problem is one
-`SpecError` line naming the file, the stage and the field.
+A stage is `kind`, `inputs` (upstream stage names, or MLflow run ids / `runs:/` / `models:/` URIs) and the fields of
+its kind's config model; the stage registry (`pipelines.stages`) says which field each input fills (pretrain's
+`data` from its ingest input, fine-tune's `init` from its pretrain input). The pipeline fills
+`tracking_uri`/`experiment` for every stage and, unless a stage sets them, `endpoint_url`, ingest's and embed's
+`output` (`<root>/data/<stage>`; no two stages write one) and pretrain/fine-tune's `storage` (`<root>/runs`).
+`load_spec` checks it all before anything runs: a problem is one `SpecError` line naming the file, the stage and the
+field.
 """
 
 from __future__ import annotations
@@ -205,11 +202,8 @@ class PipelineSpec(BaseModel):
         root = self.storage.root
         if "://" not in root:
             root = os.path.abspath(os.path.expanduser(root))  # Ray workers run in other directories
-        placed = {
-            "output": f"{root}/data/{name}",  # ingest, embed
-            "storage": f"{root}/runs",  # pretrain, fine-tune: Ray Train checkpoints
-            "endpoint_url": self.storage.endpoint_url,
-        }
+        placed = {"output": f"{root}/data/{name}", "storage": f"{root}/runs",  # shards; Ray Train's checkpoints
+                  "endpoint_url": self.storage.endpoint_url}
         for key, value in placed.items():
             if key in fields and config.get(key) is None and value is not None:
                 config[key] = value
@@ -255,6 +249,7 @@ class PipelineSpec(BaseModel):
             if fill.field not in config and fill.field not in filled and model.model_fields[fill.field].is_required():
                 hint = f"an {kind} stage in inputs" if STAGES[kind].shards else "a pretrain stage or run id in inputs"
                 self._fail(f"stage '{name}' field '{fill.field}'", f"required: set it or name {hint}")
+        self._check_labels(name, stage.kind, config)
         for ref in self.inputs_of(name):
             if ref.kind != RUN:  # a stand-in: the real value exists only once the upstream stage ran
                 config[ref.fill.field] = f"<{ref.fill.source} of stage {ref.ref}>"
@@ -270,19 +265,26 @@ class PipelineSpec(BaseModel):
         where = f"stage '{name}'" + (f" field '{field}'" if field else "")
         self._fail(where, str(first["msg"]).removeprefix("Value error, "))
 
+    def _check_labels(self, name: str, kind: str, config: dict[str, Any]) -> None:
+        # Else found deep in the stage's workers, after its upstream stages ran, as an out-of-bounds target.
+        off = [r for r in self.inputs_of(name) if r.kind != RUN and self.resolved_config(r.ref).get("labeled") is False]
+        if off and STAGES[kind].needs_labels(config):
+            mae = " (objective: mae needs none)" if "objective" in STAGES[kind].config_model.model_fields else ""
+            self._fail(f"stage '{name}' field 'inputs'", f"{off[0].kind} stage '{off[0].ref}' is unlabeled "
+                       f"(labeled: false), and {_a(kind)} stage needs labels{mae}")
+
     def _check_outputs(self) -> None:
         # A second stage writing to one place replaces the first's shards: its dependents read the other's data.
         writers: dict[tuple[str | None, Location], str] = {}
         for name in self.stages:
             config = self.resolved_config(name)
-            if config.get("output") is None:
-                continue
-            where = parse_uri(config["output"])  # one bucket and prefix on two S3 endpoints: two places
-            key = (config.get("endpoint_url") if where.scheme == "s3" else None, where)
-            if key in writers:
-                self._fail(f"stage '{name}' field 'output'",
-                           f"{where.uri} is also the output of stage '{writers[key]}'; each stage needs its own")
-            writers[key] = name
+            if config.get("output") is not None:
+                where = parse_uri(config["output"])  # one bucket and prefix on two S3 endpoints: two places
+                key = (config.get("endpoint_url") if where.scheme == "s3" else None, where)
+                if key in writers:
+                    self._fail(f"stage '{name}' field 'output'",
+                               f"{where.uri} is also the output of stage '{writers[key]}'; each stage needs its own")
+                writers[key] = name
 
     def _check_key(self, kind: str, key: str, where: str) -> None:
         if key in PIPELINE_OWNED:
@@ -393,8 +395,6 @@ def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
     return names
 
 
-__all__ = [
-    "PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec", "check_forced",
-    "is_run_ref", "load_spec", "parse_spec",
-]
+__all__ = ["PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec",
+           "check_forced", "is_run_ref", "load_spec", "parse_spec"]
 

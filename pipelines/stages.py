@@ -10,7 +10,7 @@ module on first use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,6 +46,7 @@ class Stage:
     takes_force: bool = False  # run(config, force=...): rewrite a finished output
     takes_ingest_run: bool = False  # its config records the run id of its ingest input (`ingest_run_id`)
     from_file: bool = True  # `vitpipe <kind> CONFIG` reads a config file; ingests take options instead
+    needs_labels: Callable[[Mapping[str, Any]], bool] = lambda config: False  # of its config: reads labels
 
     @property
     def config_model(self) -> type[BaseModel]:
@@ -164,20 +165,24 @@ def _video_train_metric(result: Any) -> str:
                     if key in result.metrics)
 
 
+def _supervised(config: Mapping[str, Any]) -> bool:
+    return config.get("objective", "supervised") != "mae"  # MAE reads pixels alone
+
+
 # ------------------------------------------------------------ the registry
 
 STAGES: dict[str, Stage] = {
     "ingest": Stage(_image_config("IngestConfig"), _ingest, {}, _counted("images"), shards=True,
                     takes_ray_address=False, takes_force=True, from_file=False),
     "pretrain": Stage(_image_config("PretrainConfig"), _pretrain, {"ingest": Fill("data", "output")},
-                      _pretrain_metric, takes_ingest_run=True),
+                      _pretrain_metric, takes_ingest_run=True, needs_labels=_supervised),
     "finetune": Stage(_image_config("FinetuneConfig"), _finetune,
                       {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
-                       RUN: Fill("init", "ref")}, _finetune_metric),
+                       RUN: Fill("init", "ref")}, _finetune_metric, needs_labels=lambda config: True),
     "evaluate": Stage(_image_config("EvaluateConfig"), _evaluate,
                       {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),
                        "finetune": Fill("init", "model_uri"), RUN: Fill("init", "ref")},
-                      _evaluate_metric, takes_ray_address=False),
+                      _evaluate_metric, takes_ray_address=False, needs_labels=lambda config: True),
     # The pooled features of every image of an ingest output, from a pretrain or fine-tune run (or any reference).
     "embed": Stage(_image_config("EmbedConfig"), _embed,
                    {"ingest": Fill("data", "output"), "pretrain": Fill("init", "final_checkpoint"),

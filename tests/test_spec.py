@@ -306,3 +306,26 @@ def test_the_demo_specs_sharing_one_work_directory_write_each_output_with_one_co
                 continue
             first = writers.setdefault(config["output"], (f"{name}:{stage}", config))
             assert first[1] == config, f"{name}:{stage} and {first[0]} both write {config['output']}"
+
+
+def test_a_fine_tune_of_an_unlabeled_ingest_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # At run time the sweep failed in its workers with "IndexError: Target -9223372036854775808 is out of bounds".
+    message = bad(tmp_path, "source: digits,", "source: digits, labeled: false,")
+    assert message.endswith("stage 'tune' field 'inputs': ingest stage 'target' is unlabeled (labeled: false), "
+                            "and a finetune stage needs labels")
+
+
+def test_a_few_shot_evaluation_of_an_unlabeled_ingest_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # At run time it failed with "need at least one array to concatenate".
+    text = GOOD.replace("source: digits,", "source: digits, labeled: false,").replace(
+        "  tune: {kind: finetune, inputs: [target, pre], batch_size: 32}\n  scratch: {kind: finetune, inputs: [target]}\n", "")
+    assert error_of(write(tmp_path, text)).endswith(
+        "stage 'probe' field 'inputs': ingest stage 'target' is unlabeled (labeled: false), and an evaluate stage needs labels")
+
+
+def test_supervised_pretraining_of_an_unlabeled_ingest_is_refused_and_mae_pretraining_taken(tmp_path: Path) -> None:
+    message = bad(tmp_path, "source: corpus,", "source: corpus, labeled: false,")
+    assert message.endswith("stage 'pre' field 'inputs': ingest stage 'raw' is unlabeled (labeled: false), and a "
+                            "pretrain stage needs labels (objective: mae needs none)")
+    text = GOOD.replace("source: corpus,", "source: corpus, labeled: false,").replace("steps: 20,", "steps: 20, objective: mae,")
+    assert load_spec(write(tmp_path, text)).resolved_config("pre")["objective"] == "mae"
