@@ -9,12 +9,11 @@
       pretrain: {kind: pretrain, inputs: [corpus], steps: 1200}
 
 A stage is `kind`, `inputs` (upstream stage names, or MLflow run ids / `runs:/` / `models:/` URIs) and the fields of
-its kind's config model; the stage registry (`pipelines.stages`) says which field each input fills (pretrain's
-`data` from its ingest input, fine-tune's `init` from its pretrain input). The pipeline fills
-`tracking_uri`/`experiment` for every stage and, unless a stage sets them, `endpoint_url`, ingest's and embed's
-`output` (`<root>/data/<stage>`; no two stages write one) and pretrain/fine-tune's `storage` (`<root>/runs`).
-`load_spec` checks it all before anything runs: a problem is one `SpecError` line naming the file, the stage and the
-field.
+its kind's config model; the stage registry (`pipelines.stages`) says which field each input fills (e.g. fine-tune's
+`init` from its pretrain input). The pipeline fills `tracking_uri`/`experiment` for every stage and, unless a stage
+sets them, `endpoint_url`, ingest's and embed's `output` (`<root>/data/<stage>`; no two stages write one) and
+pretrain/fine-tune's `storage` (`<root>/runs`). `load_spec` checks it all before anything runs: a problem is one
+`SpecError` line naming the file, the stage and the field.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import yaml
+from yaml.constructor import ConstructorError
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
     field_validator, model_serializer, model_validator,
@@ -191,17 +191,14 @@ class PipelineSpec(BaseModel):
         return resolve_tracking_uri(self.tracking_uri)
 
     def resolved_config(self, name: str) -> dict[str, Any]:
-        """Stage `name`'s config fields: kind defaults, under its own fields (overrides applied), plus
-        what the pipeline decides (storage, endpoint, tracking) and run-reference inputs.
-
-        Fields filled from upstream stages' outputs are absent: the runner adds them (`config_for`).
-        """
+        """Stage `name`'s config fields: kind defaults, under its own fields (overrides applied), plus what the
+        pipeline decides (storage, endpoint, tracking) and run-reference inputs. Fields filled from upstream
+        stages' outputs are absent: the runner adds them (`config_for`)."""
         stage = self.stages[name]
         fields = set(STAGES[stage.kind].config_model.model_fields)
         config = {**copy.deepcopy(self.defaults.get(stage.kind, {})), **copy.deepcopy(stage.fields)}
-        root = self.storage.root
-        if "://" not in root:
-            root = os.path.abspath(os.path.expanduser(root))  # Ray workers run in other directories
+        root = self.storage.root  # a local one made absolute: Ray workers run in other directories
+        root = root if "://" in root else os.path.abspath(os.path.expanduser(root))
         placed = {"output": f"{root}/data/{name}", "storage": f"{root}/runs",  # shards; Ray Train's checkpoints
                   "endpoint_url": self.storage.endpoint_url}
         for key, value in placed.items():
@@ -297,6 +294,17 @@ class PipelineSpec(BaseModel):
         raise SpecError(f"spec {self._source}: {where}: {message}")
 
 
+class _OneKeyEach(yaml.SafeLoader):
+    # PyYAML keeps the last of a key given twice in one mapping: a stage written twice would vanish silently.
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for k, _ in node.value:  # a merged anchor's (`<<: *a`) keys may be overridden: not its own
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if seen.setdefault(self.construct_object(k), k) is not k:
+                    raise ConstructorError(None, None, f"key {k.value!r} appears twice in one mapping", k.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def _a(kind: str) -> str:
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
@@ -320,20 +328,20 @@ def _where(loc: Sequence[Any]) -> str:
 def _apply_overrides(data: dict[str, Any], overrides: Sequence[str], source: str) -> None:
     """`--set STAGE.FIELD[.KEY...]=VALUE` (or a top-level key such as `storage.root=...`) into the raw spec.
 
-    A stage's mapping field replaces its kind's default as a whole, so `--set STAGE.FIELD.KEY=V` on a
-    field the stage takes from `defaults` starts from a copy of that default: it sets one key of what the
-    stage would run with, rather than dropping the default's other keys.
-    """
+    `--set STAGE.FIELD.KEY=V` on a mapping the stage takes from `defaults` starts from a copy of that default
+    (a stage's own mapping replaces the default as a whole): one key changes, the default's others stay."""
     try:
         values = parse_overrides(overrides)
     except ValueError as err:
         raise SpecError(f"spec {source}: {err}") from None
     stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
+    defaults = data.get("defaults") if isinstance(data.get("defaults"), dict) else {}
     for key, value in values.items():
         path = key.split(".")
         if path[0] in stages:
             node, rest = stages[path[0]], path[1:]
-            default = _kind_defaults(data, node)
+            kind = node.get("kind") if isinstance(node, dict) else None
+            default = defaults.get(kind, {}) if isinstance(kind, str) else {}  # that of the stage's kind
         elif path[0] in _TOP_KEYS:
             node, rest, default = data, path, {}
         else:
@@ -346,13 +354,6 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[str], source: str
             if not isinstance(node, dict):
                 raise SpecError(f"spec {source}: --set {key}: '{part}' is not a mapping")
         node[rest[-1]] = value
-
-
-def _kind_defaults(data: dict[str, Any], stage: Any) -> Any:
-    """The raw spec's `defaults` for `stage`'s kind ({} when there are none or the spec is malformed)."""
-    defaults = data.get("defaults")
-    kind = stage.get("kind") if isinstance(stage, dict) else None
-    return defaults.get(kind, {}) if isinstance(defaults, dict) and isinstance(kind, str) else {}
 
 
 def parse_spec(data: Any, source: str = "<spec>", overrides: Sequence[str] = ()) -> PipelineSpec:
@@ -374,12 +375,11 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Pi
     source = str(path)
     try:
         text = Path(path).read_text()
-    except FileNotFoundError:
-        raise SpecError(f"spec {source}: no such file") from None
     except OSError as err:
-        raise SpecError(f"spec {source}: cannot read ({err.strerror})") from None
+        cause = "no such file" if isinstance(err, FileNotFoundError) else f"cannot read ({err.strerror})"
+        raise SpecError(f"spec {source}: {cause}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_OneKeyEach)
     except yaml.YAMLError as err:
         raise SpecError(f"spec {source}: {yaml_syntax_error(err)}") from None
     return parse_spec(data, source, overrides)

@@ -329,3 +329,21 @@ def test_supervised_pretraining_of_an_unlabeled_ingest_is_refused_and_mae_pretra
                             "pretrain stage needs labels (objective: mae needs none)")
     text = GOOD.replace("source: corpus,", "source: corpus, labeled: false,").replace("steps: 20,", "steps: 20, objective: mae,")
     assert load_spec(write(tmp_path, text)).resolved_config("pre")["objective"] == "mae"
+
+
+def test_a_stage_written_twice_is_refused_naming_its_line(tmp_path: Path) -> None:
+    # YAML's loader keeps the last of two equal keys: the first stage would vanish without a word.
+    text = GOOD + "  raw: {kind: ingest, source: other, image_size: 16, patch_size: 4}\n"
+    assert error_of(write(tmp_path, text)).endswith("at line 13, column 3: key 'raw' appears twice in one mapping")
+
+
+def test_a_field_written_twice_in_one_stage_is_refused(tmp_path: Path) -> None:
+    message = bad(tmp_path, "steps: 20,", "steps: 20, steps: 2000,")
+    assert message.endswith("at line 9, column 68: key 'steps' appears twice in one mapping")
+
+
+def test_a_key_merged_from_a_yaml_anchor_may_still_be_overridden(tmp_path: Path) -> None:
+    text = GOOD.replace("  pre: {kind: pretrain, inputs: [raw], model: ViT-Ti/4, steps: 20, warmup_steps: 2}",
+                        "  pre: &pre {kind: pretrain, inputs: [raw], model: ViT-Ti/4, steps: 20, warmup_steps: 2}\n"
+                        "  pre2: {<<: *pre, steps: 30}")
+    assert load_spec(write(tmp_path, text)).resolved_config("pre2")["steps"] == 30
