@@ -111,7 +111,7 @@ class PipelineSpec(BaseModel):
     name: str = Field(min_length=1)
     storage: StorageSpec
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
-    experiment: str = "vitpipe"
+    experiment: str = Field("vitpipe", min_length=1)
     defaults: dict[Kind, dict[str, Any]] = Field(default_factory=dict)
     stages: dict[str, StageSpec] = Field(min_length=1)
     _source: str = PrivateAttr("<spec>")  # the file, for messages

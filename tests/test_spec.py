@@ -347,3 +347,9 @@ def test_a_key_merged_from_a_yaml_anchor_may_still_be_overridden(tmp_path: Path)
                         "  pre: &pre {kind: pretrain, inputs: [raw], model: ViT-Ti/4, steps: 20, warmup_steps: 2}\n"
                         "  pre2: {<<: *pre, steps: 30}")
     assert load_spec(write(tmp_path, text)).resolved_config("pre2")["steps"] == 30
+
+
+def test_an_empty_experiment_name_is_refused_at_the_edge(tmp_path: Path) -> None:
+    # MLflow refuses it only once Ray is up: "Invalid experiment name: ''".
+    text = GOOD.replace("tracking_uri: sqlite:///t.db\n", "tracking_uri: sqlite:///t.db\nexperiment: ''\n")
+    assert error_of(write(tmp_path, text)).endswith("field 'experiment': String should have at least 1 character")
