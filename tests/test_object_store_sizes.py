@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray._private.utils as ray_utils
 import yaml
 from ray.autoscaler._private.command_runner import DockerCommandRunner
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"
 # Memory of the EC2 instance types aws.yaml names (GiB, AWS's published sizes).
 INSTANCE_GIB = {"m6i.4xlarge": 64, "p4d.24xlarge": 1152, "g5.12xlarge": 192, "c6i.8xlarge": 64}
+UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+KUBERNETES_DEFAULT_SHM = 64 * 2**20  # a container's /dev/shm without a memory-backed volume there
 
 
 def load(name: str) -> dict[str, Any]:
@@ -74,6 +77,39 @@ def test_aws_object_store_fits_the_launchers_dev_shm(node_type: str, tmp_path: P
     store = started_object_store(commands[-1], host, tmp_path)
     shm = launcher_shm_bytes(config["docker"], head, host)
     assert store <= shm, f"{instance}: object store {store / 1e9:.0f} GB > /dev/shm {shm / 1e9:.0f} GB"
+
+
+def quantity(text: str | int) -> int:
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([kMGT]i?)?", str(text)).groups()
+    return int(float(number) * UNITS[unit or ""])
+
+
+def kuberay_groups() -> list[tuple[str, dict[str, Any]]]:
+    specs = {"raycluster": load("kuberay/raycluster.yaml")["spec"],
+             "rayjob": load("kuberay/rayjob.yaml")["spec"]["rayClusterSpec"]}
+    return [(f"{name}:{group.get('groupName', 'head')}", group) for name, spec in specs.items()
+            for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]]
+
+
+def dev_shm_bytes(pod: dict[str, Any]) -> int:
+    """The size of the Ray container's /dev/shm: its memory-backed volume's sizeLimit."""
+    mounts = {m["name"] for m in pod["containers"][0].get("volumeMounts", []) if m["mountPath"] == "/dev/shm"}
+    volumes = [v["emptyDir"] for v in pod.get("volumes", []) if v["name"] in mounts and "emptyDir" in v]
+    memory_backed = [v for v in volumes if v.get("medium") == "Memory" and "sizeLimit" in v]
+    return quantity(memory_backed[0]["sizeLimit"]) if memory_backed else KUBERNETES_DEFAULT_SHM
+
+
+@pytest.mark.parametrize("where, group", kuberay_groups(), ids=[w for w, _ in kuberay_groups()])
+def test_kuberay_object_store_fits_the_pods_dev_shm(where: str, group: dict[str, Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    pod = group["template"]["spec"]
+    shm = dev_shm_bytes(pod)
+    given = group.get("rayStartParams", {}).get("object-store-memory")
+    if given is None:  # Ray's default, from the container's memory limit (an upper bound of what it sees free)
+        monkeypatch.setattr(ray_utils, "get_shared_memory_bytes", lambda: shm)
+        memory = quantity(pod["containers"][0]["resources"]["limits"]["memory"])
+        given = ray_utils.resolve_object_store_memory(memory)
+    assert int(given) <= shm, f"{where}: object store {int(given) / 1e9:.1f} GB > /dev/shm {shm / 1e9:.1f} GB"
 
 
 def test_an_unknown_instance_type_needs_its_memory_here() -> None:
