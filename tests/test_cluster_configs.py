@@ -118,6 +118,22 @@ def test_kuberay_credentials_come_from_secrets(name: str, path: tuple[str, ...])
         assert "value" not in var and "secretKeyRef" in var["valueFrom"], var["name"]
 
 
+@pytest.mark.parametrize("name, path", [("kuberay/raycluster.yaml", ("spec",)), ("kuberay/rayjob.yaml", ("spec", "rayClusterSpec"))])
+def test_kuberay_every_ray_pod_gets_the_same_credentials(name: str, path: tuple[str, ...]) -> None:
+    # Any node may run a training rank 0 or a Tune trial driver, which log to MLflow and read S3 themselves:
+    # jobs never carry credentials, so each pod needs them from the Secret.
+    spec: Any = load(name)
+    for key in path:
+        spec = spec[key]
+    def credentials(group: dict[str, Any]) -> set[str]:
+        env = containers(group)[0].get("env", [])
+        return {json.dumps(e, sort_keys=True) for e in env if SECRET_ENV.search(e["name"])}
+
+    head = credentials(spec["headGroupSpec"])
+    assert {g["groupName"]: credentials(g) for g in spec["workerGroupSpecs"]} == {
+        g["groupName"]: head for g in spec["workerGroupSpecs"]}
+
+
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in CLUSTER.rglob("*") if p.is_file()))
 def test_no_secret_literals(path: str) -> None:
     text = (ROOT / path).read_text()
