@@ -134,6 +134,16 @@ def test_kuberay_every_ray_pod_gets_the_same_credentials(name: str, path: tuple[
         g["groupName"]: head for g in spec["workerGroupSpecs"]}
 
 
+@pytest.mark.parametrize("name", ["kuberay/raycluster.yaml", "kuberay/rayjob.yaml"])
+def test_kuberay_header_creates_the_service_account_its_pods_run_as(name: str) -> None:
+    # KubeRay never creates a ServiceAccount that the head pod names (with autoscaling on it stops reconciling
+    # the cluster), and Kubernetes refuses pods that name a missing one: the steps must make it, IRSA or not.
+    text = (CLUSTER / name).read_text()
+    accounts = set(re.findall(r"serviceAccountName: (\S+)", text))
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert accounts and {a for a in accounts if f"kubectl create serviceaccount {a}" not in header} == set()
+
+
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in CLUSTER.rglob("*") if p.is_file()))
 def test_no_secret_literals(path: str) -> None:
     text = (ROOT / path).read_text()
