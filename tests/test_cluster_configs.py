@@ -71,6 +71,13 @@ def test_aws_launcher_has_autoscaled_gpu_workers_and_instance_profiles() -> None
     assert all("IamInstanceProfile" in t["node_config"] for t in types.values())  # S3 through roles, not keys
 
 
+def test_aws_header_grants_every_ecr_action_an_image_pull_makes() -> None:
+    # docker pull from ECR calls GetDownloadUrlForLayer once per layer, besides the token and the manifest.
+    header = "".join(line for line in (CLUSTER / "aws.yaml").read_text().splitlines(keepends=True) if line.startswith("#"))
+    pull = {"ecr:GetAuthorizationToken", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer"}
+    assert "AmazonEC2ContainerRegistryReadOnly" in header or {a for a in pull if a not in header} == set()
+
+
 def test_aws_launcher_starts_ray_with_token_auth_and_object_store_size() -> None:
     config = load("aws.yaml")
     for command in (config["head_start_ray_commands"][-1], config["worker_start_ray_commands"][-1]):
