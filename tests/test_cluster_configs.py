@@ -151,6 +151,17 @@ def test_kuberay_header_creates_the_service_account_its_pods_run_as(name: str) -
     assert accounts and {a for a in accounts if f"kubectl create serviceaccount {a}" not in header} == set()
 
 
+def test_raycluster_header_reads_the_token_from_the_secret_kuberay_makes() -> None:
+    # KubeRay (authOptions: token) stores it in a Secret named after the cluster, under the key auth_token.
+    text = (CLUSTER / "kuberay" / "raycluster.yaml").read_text()
+    read = f"RAY_AUTH_TOKEN=$(kubectl get secret {load('kuberay/raycluster.yaml')['metadata']['name']} " \
+           "-o jsonpath='{.data.auth_token}' | base64 -d)"
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    reads = [i for i, line in enumerate(header) if read in line]
+    submits = [i for i, line in enumerate(header) if "vitpipe submit" in line]
+    assert reads and submits and reads[0] < submits[0]  # before the first submit that needs it
+
+
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in CLUSTER.rglob("*") if p.is_file()))
 def test_no_secret_literals(path: str) -> None:
     text = (ROOT / path).read_text()
