@@ -20,9 +20,15 @@ def connect(address: str | None = None, **local: Any) -> None:
     `object_store_memory`; Ray refuses them when joining a running cluster, whose head decided them.
     """
     import ray  # deferred: importing ray takes seconds; the CLI imports this module at start-up
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), **local)
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address not in (None, "auto", "local"):
+            # Ray 2.60 turns token mode on by itself (with a token at hand, RAY_AUTH_MODE unset) for a cluster it
+            # finds, never for a given address, whose GCS then refuses this process after 20 s of retries.
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray.init(address=address, **local)
         stopping.handle_sigterm()  # ray.init put Ray's `sys.exit(15)` in its place
 
 
