@@ -78,6 +78,16 @@ def test_aws_header_grants_every_ecr_action_an_image_pull_makes() -> None:
     assert "AmazonEC2ContainerRegistryReadOnly" in header or {a for a in pull if a not in header} == set()
 
 
+def test_aws_every_node_type_names_its_ami() -> None:
+    # Without one Ray boots its default, an Ubuntu 18.04 Deep Learning AMI whose NVIDIA driver is far older than
+    # the 580 that the image's CUDA 13 torch needs: GPU nodes would come up unable to train.
+    from ray.autoscaler._private.aws.config import DEFAULT_AMI
+
+    types = load("aws.yaml")["available_node_types"]
+    amis = {name: str(t["node_config"].get("ImageId", "")) for name, t in types.items()}
+    assert {n: a for n, a in amis.items() if not a.startswith("ami-") or a in DEFAULT_AMI.values()} == {}
+
+
 def test_aws_launcher_starts_ray_with_token_auth_and_object_store_size() -> None:
     config = load("aws.yaml")
     for command in (config["head_start_ray_commands"][-1], config["worker_start_ray_commands"][-1]):
