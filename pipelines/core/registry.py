@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import math
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -165,10 +166,12 @@ def _create_version(client: Any, name: str, model_uri: str, run_id: str, tags: d
 def crown_champion(client: Any, name: str, metric: str, mode: Literal["max", "min"]) -> str | None:
     """Point the `champion` alias at the version of `name` with the best `metric`; returns it (None: none scored).
 
-    Ties go to the newer version.
+    Ties go to the newer version. A NaN score (a diverged training) ranks nowhere: NaN is neither better nor
+    worse than any score, so `max` would keep whichever version it met first.
     """
     scored = [(float(v.tags[TAG_SCORE]), int(v.version)) for v in client.search_model_versions(f"name = '{name}'")
               if v.tags.get(TAG_SCORE_METRIC) == metric and TAG_SCORE in v.tags]
+    scored = [(value, version) for value, version in scored if not math.isnan(value)]
     if not scored:
         return None
     sign = 1.0 if mode == "max" else -1.0
