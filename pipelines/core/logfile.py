@@ -45,13 +45,18 @@ def is_secret_name(name: str) -> bool:
 def redact_argv(argv: list[str]) -> list[str]:
     """`argv` fit for a log: URI userinfo removed, values of `KEY=VALUE` arguments whose key names a credential
     replaced by `***`."""
-    out = []
-    for arg in argv:
-        key, sep, _ = arg.partition("=")
-        if sep and is_secret_name(key.lstrip("-").rsplit(".", 1)[-1]):
-            arg = f"{key}=***"
-        out.append(scrub_userinfo(arg))
-    return out
+    return [scrub_userinfo(_redact_pair(arg)) for arg in argv]
+
+
+def _redact_pair(arg: str) -> str:
+    """`arg` with its value replaced by `***` when it is `KEY=VALUE` and KEY names a credential; an option
+    spelled `--set=KEY=VALUE` (click's other spelling of `--set KEY=VALUE`) has its `KEY=VALUE` judged so."""
+    key, sep, value = arg.partition("=")
+    if not sep:
+        return arg
+    if is_secret_name(key.lstrip("-").rsplit(".", 1)[-1]):
+        return f"{key}=***"
+    return f"{key}={_redact_pair(value)}" if key.startswith("--") else arg
 
 
 class ScrubCredentials(logging.Filter):
