@@ -127,3 +127,25 @@ def test_a_run_name_holding_both_kinds_of_quote_is_refused_in_one_line_naming_it
     with pytest.raises(ValueError) as err, stage_run(client, "pretrain", _config(name), {"lr": 0.1}):
         pytest.fail("no run may open under a name that cannot be searched for")
     assert str(err.value).startswith(f"run_name {name!r}: ") and "\n" not in str(err.value)
+
+
+def test_a_run_name_already_naming_another_stages_run_is_refused(client: MlflowClient) -> None:
+    # Checkpoints, Tune state and the staged starting weights live in the storage under the run's name
+    # (`<storage>/<name>`, `<storage>/<name>-work/init`): a video-train named as a pretrain would start from its files.
+    with stage_run(client, "pretrain", _config("exp1"), {"lr": 0.1}) as pretrain:
+        pass
+    with pytest.raises(ValueError) as err, stage_run(client, "video-train", _config("exp1"), {"lr": 0.1}):
+        pytest.fail("no run may open under a name that already names another stage's run")
+    message = str(err.value)
+    assert message.startswith(f"run_name 'exp1' already names pretrain run {pretrain.run_id}") and "\n" not in message
+    runs = client.search_runs([client.get_experiment_by_name("skeleton").experiment_id])
+    assert [r.info.run_id for r in runs] == [pretrain.run_id]
+
+
+def test_a_run_name_shared_with_a_run_that_is_no_stage_run_is_allowed(client: MlflowClient) -> None:
+    # A pipeline's parent run is named after its spec and holds no files under that name.
+    experiment_id = client.create_experiment("skeleton")
+    client.create_run(experiment_id, run_name="nightly", tags={"vitpipe.stage": "pipeline", "vitpipe.config_hash": "p"})
+    with stage_run(client, "pretrain", _config("nightly"), {"lr": 0.1}) as run:
+        assert not run.finished
+    assert client.get_run(run.run_id).info.status == "FINISHED"

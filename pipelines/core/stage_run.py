@@ -9,7 +9,8 @@ raises, and KILLED when the process is stopped (`pipelines.core.stopping`).
 A run's name also names its checkpoints and Tune state in the storage. A
 named run (`run_name` set) whose identity changed would therefore restore the
 old config's checkpoints into the new one: that is refused, in one line naming
-the changed fields (each run records its identity in the tag `vitpipe.identity`).
+the changed fields (each run records its identity in the tag `vitpipe.identity`);
+so is a name that already names another stage's run (its files would seed this one).
 
     with stage_run(client, "pretrain", config, identity, tags=tags) as run:
         if run.finished:
@@ -129,20 +130,24 @@ def finished_run_id(client: MlflowClient, stage: str, config: Recorded, identity
 
 def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest: str,
                              identity: Mapping[str, Any]) -> None:
-    """Raise a one-line ValueError when a run of `stage` named `name` (in any experiment of the store, deleted
-    ones too: their checkpoints stay in the storage) has an identity other than `digest`."""
+    """Raise a one-line ValueError when a run named `name` (in any experiment of the store, deleted ones too:
+    their checkpoints stay in the storage) is a run of `stage` with an identity other than `digest`, or a run
+    of another stage: the name names the checkpoints, Tune state and staged starting weights of both."""
     if "'" in name and '"' in name:  # MLflow's filter strings have no escapes: such a name cannot be looked up
         raise ValueError(f"run_name {name!r}: a run name may hold ' or \", not both")
     experiments = [e.experiment_id for e in _all_experiments(client)]
     quoted = f'"{name}"' if "'" in name else f"'{name}'"
-    runs = client.search_runs(
-        experiments, filter_string=f"attributes.run_name = {quoted} and tags.`{tracking.TAG_STAGE}` = '{stage}' "
-                                   f"and tags.`{tracking.TAG_CONFIG_HASH}` != '{digest}'",
-        run_view_type=ViewType.ALL, order_by=["attributes.start_time DESC"], max_results=1,
-    ) if experiments else []
-    if not runs:
+    named = f"attributes.run_name = {quoted} and tags.`{tracking.TAG_STAGE}`"
+    # Only runs of this skeleton (they record `vitpipe.identity`) keep files under their name; a
+    # pipeline's parent run, named after its spec, does not.
+    other = _newest(client, experiments, f"{named} != '{stage}' and tags.`{TAG_IDENTITY}` LIKE '%'")
+    if other is not None:
+        raise ValueError(f"run_name {name!r} already names {other.data.tags[tracking.TAG_STAGE]} run "
+                         f"{other.info.run_id}; a run's name names its checkpoints and work files in the storage, "
+                         f"so that run's would seed this {stage} run: choose another run_name")
+    old = _newest(client, experiments, f"{named} = '{stage}' and tags.`{tracking.TAG_CONFIG_HASH}` != '{digest}'")
+    if old is None:
         return
-    old = runs[0]
     stored = old.data.tags.get(TAG_IDENTITY)
     if stored is None:
         what = "its identity was not recorded"
@@ -152,6 +157,13 @@ def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest
         what = "changed: " + ", ".join(sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
     raise ValueError(f"run_name {name!r} already names {stage} run {old.info.run_id} with another config ({what}); "
                      "its checkpoints would seed this one: choose another run_name, or restore that config")
+
+
+def _newest(client: MlflowClient, experiments: list[str], filter_string: str) -> Any | None:
+    """The newest run of `experiments` (deleted ones too) that `filter_string` selects, or None."""
+    runs = client.search_runs(experiments, filter_string=filter_string, run_view_type=ViewType.ALL,
+                              order_by=["attributes.start_time DESC"], max_results=1) if experiments else []
+    return runs[0] if runs else None
 
 
 def _has_run(client: MlflowClient, experiment: str, stage: str, digest: str) -> bool:
