@@ -13,7 +13,7 @@ window's keys are shuffled (seeded by the window's first key) and dealt into
 shards named after the window. An added or removed key changes only its own
 window's shards; a changed label or a replaced object only its own shard.
 Memory stays bounded: one window of items, plus the set of class names (and,
-with a label manifest, a compact index of the listing: 16 bytes an object).
+with a label manifest, a compact index of the listing: 17 bytes an object).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def unlabeled_items(pages: Iterable[list[Entry]]) -> Iterator[Item]:
 
 class ListingIndex:
     """The version tags of every object under a prefix, from one pass over its listing pages, for
-    a label manifest whose rows come in any order: 16 bytes an object (key hash, tag), sorted."""
+    a label manifest whose rows come in any order: 17 bytes an object (key hash, tag, named yet), sorted."""
 
     def __init__(self, pages: Iterable[list[Entry]]) -> None:
         hashes: list[np.ndarray] = []
@@ -79,21 +79,39 @@ class ListingIndex:
         order = np.argsort(keys, kind="stable")
         self.keys = keys[order]
         self.tags = (np.concatenate(tags) if tags else np.zeros(0, np.uint64))[order]
+        self.named = np.zeros(len(self.keys), dtype=bool)  # which objects a manifest row already named
 
     def tag(self, key: str) -> str:
         """The object's version tag, or "" when the listing does not hold it (reading it will fail)."""
+        i = self._find(key)
+        return f"{int(self.tags[i]):016x}" if i >= 0 else ""
+
+    def name(self, key: str) -> bool:
+        """Record that a row names the listed object `key`; False when an earlier row already named it."""
+        i = self._find(key)
+        if i < 0:
+            return True
+        first, self.named[i] = not self.named[i], True
+        return bool(first)
+
+    def _find(self, key: str) -> int:
         h = np.uint64(_key_hash(key))
         i = int(np.searchsorted(self.keys, h))
-        return f"{int(self.tags[i]):016x}" if i < len(self.keys) and self.keys[i] == h else ""
+        return i if i < len(self.keys) and self.keys[i] == h else -1
 
 
 def tagged(rows: Iterator[Row], index: ListingIndex, source: Store) -> Iterator[Item]:
     """Manifest rows with the version tag of the object each names, found under the key the source
     lists it by (locally `./cat/a.jpg` is `cat/a.jpg`). A row whose object the listing lacks (missing,
     a hidden name, another spelling of an S3 key) is rejected: with no version to track, a later change
-    to the object would never rewrite its shard."""
+    to the object would never rewrite its shard. A row naming an object an earlier row named under another
+    spelling (`./cat/a.jpg` after `cat/a.jpg`) raises IngestError: kept, one file would be two samples, each
+    with its own label and split (one in train, one in test)."""
     for key, label, split, name, reason in rows:
-        tag = index.tag(source.listed_key(key))
+        listed = source.listed_key(key)
+        if not reason and not index.name(listed):
+            raise IngestError(f"{source.child_uri(listed)}: the label manifest names it twice (again as {key!r})")
+        tag = index.tag(listed)
         yield key, label, split, name, reason or ("" if tag else "not in the source listing"), tag
 
 
