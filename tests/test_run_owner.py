@@ -147,3 +147,29 @@ def test_vitpipe_runs_shows_a_pipeline_whose_process_was_sigkilled_as_interrupte
     row = vitpipe_runs(uri)[run_id]
     assert (row[0], row[1]) == ("nightly", "INTERRUPTED")
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # shown so, not rewritten in the store
+
+
+MISSED_HEARTBEAT = textwrap.dedent("""
+    import sys, time
+    from mlflow.tracking import MlflowClient
+    from pipelines.core import logfile, run_owner
+    logfile.start_log_file()  # the handlers every vitpipe command installs
+    run_owner.HEARTBEAT_S = 0.2
+    with run_owner.heartbeat(MlflowClient(sys.argv[1]), "0" * 32):
+        time.sleep(3)
+""")
+
+
+def test_a_missed_heartbeat_is_logged_to_the_command_log_without_the_tracking_uris_password(tmp_path):
+    # The tracking server is not there: a loopback port nothing listens on; MLflow's error quotes the URL it was given.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        server = f"http://bob:hunter2@127.0.0.1:{s.getsockname()[1]}"
+    env = {**os.environ, "VITPIPE_LOG_DIR": str(tmp_path / "logs"), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+           "PYTHONPATH": os.getcwd()}
+    child = subprocess.run([sys.executable, "-c", MISSED_HEARTBEAT, server], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    logged = "".join(p.read_text() for p in (tmp_path / "logs").iterdir()) if (tmp_path / "logs").exists() else ""
+    assert "heartbeat not recorded" in logged and "127.0.0.1" in logged
+    assert "hunter2" not in logged + child.stderr

@@ -32,7 +32,9 @@ from pipelines.core import run_owner, tracking
 from pipelines.core.errors import RunInUse
 from pipelines.core.run_owner import Owner
 
-logger = logging.getLogger(__name__)
+# Under "vitpipe", whose handlers (the command log, stderr) scrub URLs' passwords; a `pipelines.*` logger
+# reached only the root logger, which printed them as they were and kept them out of the command log.
+logger = logging.getLogger("vitpipe.run_open")
 OPEN_TRIES = 5
 
 

@@ -33,8 +33,11 @@ import psutil
 from mlflow.tracking import MlflowClient
 
 from pipelines.core.errors import RunInUse
+from pipelines.core.uris import scrub_userinfo
 
-logger = logging.getLogger(__name__)
+# Under "vitpipe", whose handlers (the command log, stderr) scrub URLs' passwords; a `pipelines.*` logger
+# reached only the root logger, which printed them as they were and kept them out of the command log.
+logger = logging.getLogger("vitpipe.run_owner")
 TAG_OWNER = "vitpipe.owner"
 TAG_CLAIM = "vitpipe.claim."  # + a claimant's key; its value is the claimant, as in `vitpipe.owner`
 HEARTBEAT_S = 30.0
@@ -140,7 +143,7 @@ def heartbeat(client: MlflowClient, run_id: str) -> Iterator[None]:
             try:
                 client.set_tag(run_id, TAG_OWNER, Owner.me().value())
             except Exception as err:  # noqa: BLE001  (a missed heartbeat must not end the run)
-                logger.warning("run %s: heartbeat not recorded (%s)", run_id, err)
+                logger.warning("run %s: heartbeat not recorded (%s)", run_id, scrub_userinfo(str(err)))
 
     thread = threading.Thread(target=beat, name=f"vitpipe-heartbeat-{run_id[:8]}", daemon=True)
     thread.start()

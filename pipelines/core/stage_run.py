@@ -33,7 +33,9 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.core import run_open, run_owner, tracking
 
-logger = logging.getLogger(__name__)
+# Under "vitpipe", whose handlers (the command log, stderr) scrub URLs' passwords; a `pipelines.*` logger
+# reached only the root logger, which printed them as they were and kept them out of the command log.
+logger = logging.getLogger("vitpipe.stage_run")
 FINISHED = "FINISHED"
 TAG_IDENTITY = "vitpipe.identity"
 _MAX_TAG = 8000  # MLflow's limit on a tag value; a longer identity is not recorded (the refusal then names no field)
