@@ -81,23 +81,19 @@ class ListingIndex:
         self.tags = (np.concatenate(tags) if tags else np.zeros(0, np.uint64))[order]
         self.named = np.zeros(len(self.keys), dtype=bool)  # which objects a manifest row already named
 
-    def tag(self, key: str) -> str:
-        """The object's version tag, or "" when the listing does not hold it (reading it will fail)."""
-        i = self._find(key)
-        return f"{int(self.tags[i]):016x}" if i >= 0 else ""
+    def tag(self, key: str, *, name: bool = False) -> str | None:
+        """The object's version tag, or "" when the listing does not hold it (reading it will fail).
 
-    def name(self, key: str) -> bool:
-        """Record that a row names the listed object `key`; False when an earlier row already named it."""
-        i = self._find(key)
-        if i < 0:
-            return True
-        first, self.named[i] = not self.named[i], True
-        return bool(first)
-
-    def _find(self, key: str) -> int:
+        With `name`, a row names the object: None when an earlier row already named it."""
         h = np.uint64(_key_hash(key))
         i = int(np.searchsorted(self.keys, h))
-        return i if i < len(self.keys) and self.keys[i] == h else -1
+        if i >= len(self.keys) or self.keys[i] != h:
+            return ""
+        if name:
+            if self.named[i]:
+                return None
+            self.named[i] = True
+        return f"{int(self.tags[i]):016x}"
 
 
 def tagged(rows: Iterator[Row], index: ListingIndex, source: Store) -> Iterator[Item]:
@@ -109,9 +105,9 @@ def tagged(rows: Iterator[Row], index: ListingIndex, source: Store) -> Iterator[
     with its own label and split (one in train, one in test)."""
     for key, label, split, name, reason in rows:
         listed = source.listed_key(key)
-        if not reason and not index.name(listed):
+        tag = index.tag(listed, name=not reason)
+        if tag is None:
             raise IngestError(f"{source.child_uri(listed)}: the label manifest names it twice (again as {key!r})")
-        tag = index.tag(listed)
         yield key, label, split, name, reason or ("" if tag else "not in the source listing"), tag
 
 
