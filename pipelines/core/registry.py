@@ -167,17 +167,32 @@ def crown_champion(client: Any, name: str, metric: str, mode: Literal["max", "mi
     """Point the `champion` alias at the version of `name` with the best `metric`; returns it (None: none scored).
 
     Ties go to the newer version. A NaN score (a diverged training) ranks nowhere: NaN is neither better nor
-    worse than any score, so `max` would keep whichever version it met first.
+    worse than any score, so `max` would keep whichever version it met first. The versions are looked at
+    again after each move of the alias, until a look agrees with it: a version another process registered
+    meanwhile (two sweeps finishing together) was otherwise lost when our stale choice was written last.
     """
+    crowned = None
+    for _ in range(_CROWN_LOOKS):
+        best = _best_version(client, name, metric, mode)
+        if best is None or best == crowned:
+            return best
+        client.set_registered_model_alias(name, CHAMPION, best)
+        crowned = best
+    return crowned
+
+
+_CROWN_LOOKS = 5  # each registration that lands between two looks costs one more
+
+
+def _best_version(client: Any, name: str, metric: str, mode: Literal["max", "min"]) -> str | None:
+    """The version of `name` with the best `metric` now (ties: the newer), or None when none is scored."""
     scored = [(float(v.tags[TAG_SCORE]), int(v.version)) for v in client.search_model_versions(f"name = '{name}'")
               if v.tags.get(TAG_SCORE_METRIC) == metric and TAG_SCORE in v.tags]
     scored = [(value, version) for value, version in scored if not math.isnan(value)]
     if not scored:
         return None
     sign = 1.0 if mode == "max" else -1.0
-    best = str(max(scored, key=lambda s: (sign * s[0], s[1]))[1])
-    client.set_registered_model_alias(name, CHAMPION, best)
-    return best
+    return str(max(scored, key=lambda s: (sign * s[0], s[1]))[1])
 
 
 def download_checkpoint(artifact_uri: str, dst: str | Path, tracking_uri: str | None,
