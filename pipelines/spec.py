@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import yaml
-from yaml.constructor import ConstructorError
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
     field_validator, model_serializer, model_validator,
 )
 
 from pipelines.core.errors import VitpipeError
-from pipelines.core.stage_config import error_message, parse_overrides, yaml_syntax_error
+from pipelines.core.stage_config import error_message, load_yaml, parse_overrides, yaml_syntax_error
 from pipelines.core.storage import parse_uri
 from pipelines.core.uris import Location, resolve_tracking_uri
 from pipelines.stages import KINDS, RUN, STAGES, Fill
@@ -294,17 +293,6 @@ class PipelineSpec(BaseModel):
         raise SpecError(f"spec {self._source}: {where}: {message}")
 
 
-class _OneKeyEach(yaml.SafeLoader):
-    # PyYAML keeps the last of a key given twice in one mapping: a stage written twice would vanish silently.
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, yaml.Node] = {}
-        for k, _ in node.value:  # a merged anchor's (`<<: *a`) keys may be overridden: not its own
-            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                if seen.setdefault(self.construct_object(k), k) is not k:
-                    raise ConstructorError(None, None, f"key {k.value!r} appears twice in one mapping", k.start_mark)
-        return super().construct_mapping(node, deep)
-
-
 def _a(kind: str) -> str:
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
@@ -379,7 +367,7 @@ def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Pi
         cause = "no such file" if isinstance(err, FileNotFoundError) else f"cannot read ({err.strerror})"
         raise SpecError(f"spec {source}: {cause}") from None
     try:
-        data = yaml.load(text, Loader=_OneKeyEach)
+        data = load_yaml(text)
     except yaml.YAMLError as err:
         raise SpecError(f"spec {source}: {yaml_syntax_error(err)}") from None
     return parse_spec(data, source, overrides)

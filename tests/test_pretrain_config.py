@@ -85,6 +85,15 @@ def test_a_dotted_override_through_a_plain_field_is_refused_in_one_line():
         load_stage_config(PretrainConfig, "pretrain", {"data": "/d", "steps": 50, "warmup_steps": 5}, {"steps.x": 1})
 
 
+def test_a_field_written_twice_in_a_config_file_is_refused_naming_its_line(tmp_path):
+    # YAML keeps the last of two equal keys: the first `steps` would be dropped without a word.
+    path = tmp_path / "pretrain.yaml"
+    path.write_text("data: /d\nsteps: 5000\nwarmup_steps: 5\nsteps: 50\n")
+    with pytest.raises(ValueError, match=r"^pretrain config .*pretrain.yaml: YAML syntax error at line 4, column 1: "
+                                         r"key 'steps' appears twice in one mapping$"):
+        load_config(path)
+
+
 def test_missing_config_file_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
+from yaml.constructor import ConstructorError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipelines.core.storage import Location, parse_uri
@@ -136,6 +137,22 @@ def _inside(inner: Location, outer: Location) -> bool:
     return not outer.path or inner.path.startswith(outer.path.rstrip("/") + "/")
 
 
+class _OneKeyEach(yaml.SafeLoader):
+    # PyYAML keeps the last of a key given twice in one mapping: a stage written twice would vanish silently.
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for k, _ in node.value:  # a merged anchor's (`<<: *a`) keys may be overridden: not its own
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if seen.setdefault(self.construct_object(k), k) is not k:
+                    raise ConstructorError(None, None, f"key {k.value!r} appears twice in one mapping", k.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`text` parsed as YAML (safe types only); a key given twice in one mapping is a `yaml.YAMLError`."""
+    return yaml.load(text, Loader=_OneKeyEach)  # noqa: S506  (a SafeLoader)
+
+
 def yaml_syntax_error(err: yaml.YAMLError) -> str:
     """A YAML parse error as a few words with its place: `YAML syntax error at line 2, column 7: <problem>`."""
     mark = getattr(err, "problem_mark", None)
@@ -189,7 +206,7 @@ def load_stage_config(
         if not path.is_file():
             raise ValueError(f"{stage} config {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ValueError(f"{stage} config {path}: {yaml_syntax_error(err)}") from None
         if not isinstance(data, dict):
