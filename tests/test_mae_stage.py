@@ -26,7 +26,8 @@ from pipelines.core.errors import VitpipeError
 from pipelines.image import pretrain
 from pipelines.image.mae_hooks import MAEHooks
 from pipelines.image.pretrain import PretrainResult, load_config, run_identity, run_pretrain
-from pipelines.image.configs import PretrainConfig
+from pipelines.image.configs import FinetuneConfig, PretrainConfig
+from pipelines.image.finetune import run_finetune
 from pipelines.image.reconstruction import RECONSTRUCTION_FIGURE
 from vit.mae import DECODER_FILE, load_mae
 
@@ -117,6 +118,17 @@ def test_supervised_pretraining_on_an_unlabeled_ingest_fails_first_with_one_line
     one_line = rf"^{re.escape(unlabeled)}: the ingest output is unlabeled .*use objective: mae$"
     with pytest.raises(VitpipeError, match=one_line) as info:
         run_pretrain(config)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran, nothing recorded
+
+
+def test_fine_tuning_on_an_unlabeled_ingest_fails_first_with_one_line_naming_the_data(unlabeled, tmp_path):
+    # Found later, it was "IndexError: Target -9223372036854775808 is out of bounds" in every trial's workers.
+    config = FinetuneConfig(data=unlabeled, model="ViT-Ti/4", storage=str(tmp_path / "runs"),
+                            tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    one_line = rf"^{re.escape(unlabeled)}: the ingest output is unlabeled .* so fine-tuning, .* cannot run on it$"
+    with pytest.raises(VitpipeError, match=one_line) as info:
+        run_finetune(config)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran, nothing recorded
 

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from pipelines.core.errors import VitpipeError
 from pipelines.core.storage import Store, open_store, parse_uri
+from pipelines.core.uris import strip_userinfo
 
 FORMAT = "vitpipe-patches/1"
 SHARD_DIR = "shards"
@@ -225,6 +226,14 @@ def read_manifest(output: str | Store, *, endpoint_url: str | None = None) -> di
         return json.loads(store.read(MANIFEST))
     except ValueError as exc:
         raise VitpipeError(f"{store.child_uri(MANIFEST)}: not valid JSON ({exc})") from None
+
+
+def require_labels(manifest: Mapping[str, Any], data: str, reader: str, hint: str = "") -> None:
+    """Refuse an unlabeled ingest output (`"labeled": false`) for `reader`, a stage that reads class labels,
+    in one line naming the data: found later, it is an out-of-bounds target deep in a Ray worker."""
+    if manifest.get("labeled", True) is False:
+        raise VitpipeError(f"{strip_userinfo(data)}: the ingest output is unlabeled (manifest.json has "
+                           f'"labeled": false), so {reader} cannot run on it' + (f"; {hint}" if hint else ""))
 
 
 def class_names(manifest: Mapping[str, Any]) -> list[str]:

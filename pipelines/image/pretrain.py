@@ -27,9 +27,8 @@ import vit
 from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae, num_visible
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
-from pipelines.core.errors import VitpipeError
 from pipelines.core.registry import TAG_MODEL_URI
-from pipelines.core.shards import num_classes, read_manifest
+from pipelines.core.shards import num_classes, read_manifest, require_labels
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import finished_run_id, stage_run
@@ -189,9 +188,8 @@ def mae_options(config: PretrainConfig) -> MAEOptions:
 
 def check_labels(config: PretrainConfig, manifest: dict[str, Any]) -> None:
     """Supervised pretraining needs labels: refuse an unlabeled ingest output (`"labeled": false`) up front."""
-    if config.objective == "supervised" and manifest.get("labeled", True) is False:
-        raise VitpipeError(f"{strip_userinfo(config.data)}: the ingest output is unlabeled (manifest.json has "
-                           '"labeled": false), so supervised pretraining cannot run on it; use objective: mae')
+    if config.objective == "supervised":
+        require_labels(manifest, config.data, "supervised pretraining", "use objective: mae")
 
 
 def log_mae_outputs(client: Any, run_id: str, config: PretrainConfig, manifest: dict[str, Any], final_dir: str) -> None:
