@@ -9,6 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
+from pipelines.core.errors import VitpipeError
 from pipelines.core.shards import read_manifest
 from pipelines.image.evaluate import few_shot_accuracy, few_shot_table, load_config, ridge_fit, run_evaluate, sample_support
 from pipelines.image.configs import EvaluateConfig
@@ -161,3 +162,27 @@ def test_more_shots_than_the_support_split_holds_is_refused(digits_data, pretrai
                             experiment="evaluate-tests")
     with pytest.raises(ValueError, match=r"200-shot needs 200 support images of every class; class '\d' has 1\d\d$"):
         run_evaluate(config)
+
+
+@pytest.fixture(scope="module")
+def unlabeled_data(ray_cluster, tmp_path_factory) -> str:
+    """An ingest output with `"labeled": false`: 24 fractal images, 16×16, patch 4, no classes."""
+    from pipelines.corpora.images import synth_corpus
+    from pipelines.image.configs import IngestConfig
+    from pipelines.image.ingest import run_ingest
+
+    root = tmp_path_factory.mktemp("unlabeled")
+    synth_corpus(str(root / "corpus"), images=24, classes=2, size=16, seed=0)
+    return run_ingest(IngestConfig(source=str(root / "corpus"), output=str(root / "out"), image_size=16, patch_size=4,
+                                   val_fraction=0.0, test_fraction=0.3, labeled=False)).output
+
+
+@pytest.mark.slow
+def test_an_unlabeled_ingest_output_is_refused_in_one_line_naming_it(unlabeled_data, tmp_path):
+    config = EvaluateConfig(data=unlabeled_data, init=None, model="ViT-Ti/4", shots=[1], repeats=1,
+                            model_overrides={"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64},
+                            tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="evaluate-unlabeled")
+    with pytest.raises(VitpipeError) as err:
+        run_evaluate(config)
+    assert str(err.value) == (f"{unlabeled_data}: the ingest output is unlabeled (manifest.json has \"labeled\": "
+                              "false), so few-shot evaluation, which scores class labels, cannot run on it")

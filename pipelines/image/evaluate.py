@@ -219,9 +219,18 @@ def run_identity(config: EvaluateConfig, manifest: dict[str, Any], origin: Origi
     return identity
 
 
+def check_labels(config: EvaluateConfig, manifest: dict[str, Any]) -> None:
+    """Refuse an unlabeled ingest output up front: with no classes there is no support set to draw, and the
+    probe failed deep inside, after opening a run, on an error that named neither the data nor the cause."""
+    if manifest.get("labeled", True) is False:
+        raise VitpipeError(f"{strip_userinfo(config.data)}: the ingest output is unlabeled (manifest.json has "
+                           '"labeled": false), so few-shot evaluation, which scores class labels, cannot run on it')
+
+
 def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    check_labels(config, manifest)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
     origin, size = frozen_origin(config, manifest, tracking_uri)
