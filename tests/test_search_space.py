@@ -46,6 +46,16 @@ def test_randint_includes_its_upper_bound():
     assert (tuned["steps"].lower, tuned["steps"].upper) == (10, 21)  # Tune's upper bound is exclusive
 
 
+
+def test_numbers_that_yaml_reads_as_strings_in_exponent_notation_are_numbers():
+    import yaml
+
+    # PyYAML (YAML 1.1) reads 1e-4, without a dot, as the string '1e-4'; pydantic's float fields take it.
+    space = SearchSpace.parse(yaml.safe_load("lr: {loguniform: [1e-4, 1e-2]}\nweight_decay: 1e-5\nsteps: {grid: [1e3]}"))
+    assert space.get("lr").values == (1e-4, 1e-2)
+    assert space.get("weight_decay").value == 1e-5
+    assert space.get("steps").values == (1000,)
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

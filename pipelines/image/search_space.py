@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from typing import Any, Literal
 
 from dataclasses import dataclass, field
@@ -42,8 +43,14 @@ MUTABLE = ("lr", "weight_decay", "aug_strength")  # what PBT may change mid-tria
 ENUMERATED = ("resolution",)
 
 
+# A number in exponent notation as PyYAML (YAML 1.1) reads it when it has no dot: the string '1e-4'.
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _check_value(name: str, value: Any) -> float | int:
     integer, _, low, high, open_low = PARAMS[name]
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value):
+        value = float(value)  # `lr: 1e-4` in a YAML config is the number the user wrote, as pydantic reads it
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"search_space.{name}: expected a number, got {value!r}")
     if integer and (not isinstance(value, int) and not float(value).is_integer()):
