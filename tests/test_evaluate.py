@@ -89,6 +89,17 @@ def test_bad_config_is_one_line_naming_the_field(fields, message):
         load_config({"data": "x", "init": "0" * 32, **fields})
 
 
+
+def test_a_model_reading_patches_of_another_length_is_refused_naming_both_lengths():
+    from pipelines.image.frozen_model import load_frozen_model
+
+    # Same 4-pixel patches, one channel against the data's three: the patch size alone does not tell them apart.
+    config = EvaluateConfig(data="DATA", init=None, model="ViT-Ti/4", model_overrides={
+        "depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64, "in_channels": 1})
+    with pytest.raises(ValueError) as err:
+        load_frozen_model(config, {"image_size": 16, "patch_size": 4, "patch_dim": 48}, "unused")
+    assert str(err.value) == "model reads 4-pixel patches of length 16, but DATA holds 4-pixel patches of length 48"
+
 # ---------------------------------------------------------------- the stage
 
 

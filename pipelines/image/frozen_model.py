@@ -51,8 +51,9 @@ def _overrides(config: FrozenModelFields, manifest: dict[str, Any]) -> dict[str,
 
 def _resolution(config: FrozenModelFields, manifest: dict[str, Any], model_config: Any) -> int:
     if model_config.pixel_patch_size != manifest["patch_size"] or model_config.patch_dim != manifest["patch_dim"]:
-        raise ValueError(f"model reads {model_config.pixel_patch_size}-pixel patches, but {config.data} holds "
-                         f"{manifest['patch_size']}-pixel patches")
+        # Both numbers: a model of other channels reads patches of the data's size but of another length.
+        raise ValueError(f"model reads {model_config.pixel_patch_size}-pixel patches of length {model_config.patch_dim}, "
+                         f"but {config.data} holds {manifest['patch_size']}-pixel patches of length {manifest['patch_dim']}")
     size = config.resolution or model_config.image_hw[0]
     if size % manifest["patch_size"]:
         raise ValueError(f"resolution {size} is not a multiple of the patch size {manifest['patch_size']}")
