@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 
 import vit
 from pipelines.core import shards, tracking
+from pipelines.core.errors import VitpipeError
 from pipelines.core.storage import open_store
 from pipelines.image.data import normalize, patches_array
 from pipelines.image.embed import run_embed
@@ -116,6 +117,22 @@ def test_another_model_is_not_reused_from_a_finished_output(embedded, setup):
     assert changed.shards_written == len(first.manifest["shards"]) and changed.shards_reused == 0
     assert changed.manifest["content_hash"] != first.manifest["content_hash"]
 
+
+
+@pytest.mark.parametrize("stage", ["embed", "evaluate"])
+def test_an_output_that_holds_no_images_as_the_data_is_refused_in_one_line_naming_it(embedded, setup, tmp_path, stage):
+    from pipelines.image.configs import EvaluateConfig
+    from pipelines.image.evaluate import run_evaluate
+
+    config, _ = embedded  # its output: embeddings, no patches to read
+    fields = {"data": config.output, "init": setup["run_id"], "tracking_uri": setup["tracking_uri"]}
+    with pytest.raises(VitpipeError) as err:
+        if stage == "embed":
+            run_embed(EmbedConfig(**fields, output=str(tmp_path / "again")))
+        else:
+            run_evaluate(EvaluateConfig(**fields, shots=[1], repeats=1))
+    assert str(err.value) == (f"{config.output}: not an image dataset (format 'vitpipe-embeddings/1', "
+                              "expected 'vitpipe-patches/1')")
 
 def test_a_spec_with_an_embed_stage_runs_through_the_runner(ray_cluster, setup, tmp_path):
     from pipelines.corpora.images import synth_corpus

@@ -32,7 +32,7 @@ from pipelines.core.stage_run import finished_run_id, stage_run
 from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.shards import read_manifest
 from pipelines.image.labeled_rows import DataSpec, decode_batch, iter_rows
-from pipelines.image.frozen_model import frozen_origin, load_frozen_model
+from pipelines.image.frozen_model import check_image_data, frozen_origin, load_frozen_model
 from pipelines.training.starting_weights import Origin, origin_identity
 from pipelines.core.shards import class_labels, class_names
 from pipelines.image.configs import EvaluateConfig
@@ -230,6 +230,7 @@ def check_labels(config: EvaluateConfig, manifest: dict[str, Any]) -> None:
 def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
     manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    check_image_data(config, manifest)
     check_labels(config, manifest)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)
