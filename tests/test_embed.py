@@ -134,6 +134,17 @@ def test_an_output_that_holds_no_images_as_the_data_is_refused_in_one_line_namin
     assert str(err.value) == (f"{config.output}: not an image dataset (format 'vitpipe-embeddings/1', "
                               "expected 'vitpipe-patches/1')")
 
+
+def test_an_output_that_holds_another_finished_dataset_is_refused_and_left_whole(embedded, tiny_dataset, setup, tmp_path):
+    config, _ = embedded
+    other = shutil.copytree(tiny_dataset, tmp_path / "other-dataset")  # a finished ingest output, e.g. a path mistyped
+    before = {p.relative_to(other): p.read_bytes() for p in Path(other).rglob("*") if p.is_file()}
+    with pytest.raises(VitpipeError) as err:
+        run_embed(config.model_copy(update={"output": str(other)}))
+    assert str(err.value) == (f"{other}: holds a finished output of another kind (format 'vitpipe-patches/1'); "
+                              "embeddings go to a new folder or an earlier embed output")
+    assert {p.relative_to(other): p.read_bytes() for p in Path(other).rglob("*") if p.is_file()} == before
+
 def test_a_spec_with_an_embed_stage_runs_through_the_runner(ray_cluster, setup, tmp_path):
     from pipelines.corpora.images import synth_corpus
 
