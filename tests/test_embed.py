@@ -145,6 +145,16 @@ def test_an_output_that_holds_another_finished_dataset_is_refused_and_left_whole
                               "embeddings go to a new folder or an earlier embed output")
     assert {p.relative_to(other): p.read_bytes() for p in Path(other).rglob("*") if p.is_file()} == before
 
+
+def test_an_output_folder_that_holds_the_data_is_refused_and_the_data_left_whole(embedded, tiny_dataset, tmp_path):
+    config, _ = embedded
+    data = shutil.copytree(tiny_dataset, tmp_path / "work" / "shards")  # README's `vitpipe ingest ./corpus ./shards`
+    before = {p.relative_to(data): p.read_bytes() for p in Path(data).rglob("*") if p.is_file()}
+    with pytest.raises(ValueError) as err:
+        run_embed(config.model_copy(update={"data": str(data), "output": str(tmp_path / "work")}))
+    assert str(err.value) == f"output: {tmp_path / 'work'} holds the data ({data}); embeddings go elsewhere"
+    assert {p.relative_to(data): p.read_bytes() for p in Path(data).rglob("*") if p.is_file()} == before
+
 def test_a_spec_with_an_embed_stage_runs_through_the_runner(ray_cluster, setup, tmp_path):
     from pipelines.corpora.images import synth_corpus
 
