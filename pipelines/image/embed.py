@@ -54,7 +54,7 @@ from pipelines.image.patches import resize_patches
 from pipelines.training.step import resolve_precision
 from pipelines.image.configs import EmbedConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vitpipe.embed")  # under "vitpipe": its handlers scrub credentials
 STAGE = "embed"
 # Fields that do not change the embeddings stored, so they stay out of the run's identity. `num_gpus` enters
 # as the device it resolves to; `data` as the source's content hash; `init` also as the weights' hash.

@@ -37,7 +37,7 @@ from pipelines.training.starting_weights import Origin, origin_identity
 from pipelines.core.shards import class_labels, class_names
 from pipelines.image.configs import EvaluateConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vitpipe.evaluate")  # under "vitpipe": its handlers scrub credentials
 STAGE = "evaluate"
 # Fields that do not change what is measured, so they stay out of the run identity; every other field is in it.
 NOT_IDENTITY = {

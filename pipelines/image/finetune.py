@@ -48,7 +48,7 @@ from pipelines.training.starting_weights import (ARCH_FIELDS, Origin, StartingWe
 from pipelines.training.trainer import stage_init, storage_location
 from pipelines.image.configs import FinetuneConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vitpipe.finetune")  # under "vitpipe": its handlers scrub credentials
 STAGE = "finetune"
 TAG_PRETRAIN_RUN = "vitpipe.pretrain_run_id"
 TAG_MANIFEST = "vitpipe.manifest_hash"

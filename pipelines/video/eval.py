@@ -24,7 +24,7 @@ from pipelines.video.data import iter_videos, normalize_video, prepare_full_vide
 from pipelines.video.feature_data import FeaturePredictor, is_features, iter_feature_videos
 from vit.vtn import sample_frame_indices
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vitpipe.video_eval")  # under "vitpipe": its handlers scrub credentials
 
 EVAL_TABLE = "evaluation/modes.json"
 ATTENTION_FIGURE = "attention/cls_attention_over_frames.png"

@@ -57,7 +57,7 @@ from pipelines.video.feature_data import COLUMNS, DTYPES, FORMAT, SCHEMA, featur
 from pipelines.video.model import FrozenBackbone, InitialModel, build_initial_model
 from pipelines.video.configs import VideoFeaturesConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vitpipe.video_features")  # under "vitpipe": its handlers scrub credentials
 STAGE = "video_features"
 PREPARATION = "shorter side resized to frame_size, centre square crop, normalize_video (as full-video evaluation)"
 

@@ -64,7 +64,7 @@ from pipelines.video.feature_data import (
 from pipelines.video.model import InitialModel, build_initial_model
 from pipelines.video.configs import VideoTrainConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vitpipe.video_train")  # under "vitpipe": its handlers scrub credentials
 STAGE = "video_train"
 TAG_VIDEO_RUN = "vitpipe.video_train_run_id"
 TAG_BACKBONE_RUN = "vitpipe.backbone_run_id"
