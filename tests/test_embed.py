@@ -141,8 +141,8 @@ def test_an_output_that_holds_another_finished_dataset_is_refused_and_left_whole
     before = {p.relative_to(other): p.read_bytes() for p in Path(other).rglob("*") if p.is_file()}
     with pytest.raises(VitpipeError) as err:
         run_embed(config.model_copy(update={"output": str(other)}))
-    assert str(err.value) == (f"{other}: holds a finished output of another kind (format 'vitpipe-patches/1'); "
-                              "embeddings go to a new folder or an earlier embed output")
+    assert str(err.value) == (f"{other}: holds a finished output of another kind (format 'vitpipe-patches/1', "
+                              "not 'vitpipe-embeddings/1'); write to a new folder or to an earlier output of this kind")
     assert {p.relative_to(other): p.read_bytes() for p in Path(other).rglob("*") if p.is_file()} == before
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -177,6 +178,21 @@ def test_the_output_manifest_holds_no_password_of_the_tracking_uri(ray_cluster, 
     run_video_features(config)
     written = (tmp_path / "features" / shards.MANIFEST).read_text()
     assert "hunter2" not in written and "http://127.0.0.1:9" in written
+
+
+def test_an_output_holding_a_video_ingest_output_is_refused_and_left_whole(ray_cluster, video_data, backbone_run,
+                                                                           tmp_path):
+    # A mistyped output (the data's sibling ingest, say): writing there would replace its shards.
+    videos = tmp_path / "videos"
+    shutil.copytree(video_data, videos)
+    before = {p.relative_to(videos): p.read_bytes() for p in videos.rglob("*") if p.is_file()}
+    config = features_config(video_data, str(videos), backbone_run, init=str(backbone_run["checkpoint"]))
+    with pytest.raises(VitpipeError) as err:
+        run_video_features(config)
+    assert str(err.value) == (f"{videos}: holds a finished output of another kind (format 'vitpipe-video/1', "
+                              "not 'vitpipe-video-features/1'); write to a new folder or to an earlier output of "
+                              "this kind")
+    assert {p.relative_to(videos): p.read_bytes() for p in videos.rglob("*") if p.is_file()} == before
 
 
 def test_float16_features_match_float32_within_half_precision(extracted, video_data):

@@ -294,6 +294,22 @@ def test_changed_sampling_replaces_the_output(ray_cluster, corpus, ingested, tmp
 # ---------------------------------------------------------------- bad input
 
 
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_an_output_holding_an_image_ingest_output_is_refused_and_left_whole(corpus, tiny_dataset, tmp_path):
+    # A mistyped output: writing there would delete the images' marker and replace their shards.
+    images = tmp_path / "images"
+    shutil.copytree(tiny_dataset, images)
+    before = _files(images)
+    with pytest.raises(VitpipeError) as err:
+        run_video_ingest(config(corpus[0], images))
+    assert str(err.value) == (f"{images}: holds a finished output of another kind (format 'vitpipe-patches/1', "
+                              "not 'vitpipe-video/1'); write to a new folder or to an earlier output of this kind")
+    assert _files(images) == before
+
+
 @pytest.fixture(scope="module")
 def dirty(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("dirty-videos")

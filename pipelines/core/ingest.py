@@ -97,7 +97,7 @@ def run_sharded_ingest(config: ShardedIngestConfig, kind: IngestKind, *, force: 
     out = open_store(config.output, settings)
     fingerprint = shards.fingerprint({"format": kind.format, **config.identity()})
 
-    shards.check_output(out)
+    shards.check_output(out, kind.format)
     manifest_store = open_store(config.manifest, settings) if config.manifest else None
     _check_source(source, manifest_store)
     if force:

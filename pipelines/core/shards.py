@@ -201,8 +201,12 @@ def content_hash(image_size: int, patch_size: int, classes: Mapping[str, int], s
 # ---------------------------------------------------------------- an output's life cycle, shared by every sharded stage
 
 
-def check_output(out: Store) -> None:
-    """Make a local output folder, or check that an object-store output can be reached (one-line `StorageError`)."""
+def check_output(out: Store, kind: str | None = None) -> None:
+    """Make a local output folder, or check that an object-store output can be reached (one-line `StorageError`).
+
+    With `kind` (the manifest format this stage writes), a folder holding another kind's output is refused
+    in one line: writing there would delete its marker and replace its shards (a mistyped path lost a dataset).
+    """
     if parse_uri(out.uri).scheme == "file":
         try:
             os.makedirs(out.uri, exist_ok=True)
@@ -210,6 +214,21 @@ def check_output(out: Store) -> None:
             raise out.error(exc) from None
     else:
         out.check()
+    found = _manifest_format(out) if kind is not None else None
+    if found is not None and found != kind:
+        raise VitpipeError(f"{strip_userinfo(out.uri)}: holds a finished output of another kind (format {found!r}, "
+                           f"not {kind!r}); write to a new folder or to an earlier output of this kind")
+
+
+def _manifest_format(out: Store) -> str | None:
+    """The format a manifest in `out` names, or None (no manifest, or not one a stage wrote)."""
+    if not out.exists(MANIFEST):
+        return None
+    try:
+        found = json.loads(out.read(MANIFEST)).get("format")
+    except (ValueError, AttributeError):  # nothing recognisable to keep
+        return None
+    return found if isinstance(found, str) else None
 
 
 def read_manifest(output: str | Store, *, endpoint_url: str | None = None) -> dict[str, Any]:

@@ -41,7 +41,6 @@ from pydantic import BaseModel
 import vit
 from pipelines.core import shards, tracking
 from pipelines.core.cluster import connect
-from pipelines.core.errors import VitpipeError
 from pipelines.core.datasets import read_each_shard
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
@@ -221,8 +220,7 @@ def _produce(work: _Work, *, force: bool) -> EmbedResult:
     config, began = work.config, time.perf_counter()
     source = open_store(config.data, endpoint_url=config.endpoint_url)
     out = open_store(config.output, endpoint_url=config.endpoint_url)
-    shards.check_output(out)
-    _check_output_kind(out)
+    shards.check_output(out, FORMAT)
     done = None if force else shards.finished_manifest(out, work.fingerprint)
     if done is not None:
         logger.info("%s: %s is complete for this model and data; nothing to do", STAGE, config.output)
@@ -253,20 +251,6 @@ def _produce(work: _Work, *, force: bool) -> EmbedResult:
     return EmbedResult(run_id="", output=config.output, manifest=manifest, counts=manifest["counts"],
                        shards_written=len(written), shards_reused=len(ordered) - len(written),
                        images_per_s=images / seconds if images and seconds > 0 else None, reused=False)
-
-
-def _check_output_kind(out: Any) -> None:
-    """Refuse an output folder that holds a finished output of another kind (an ingest output, say, by a
-    mistyped path): writing there deleted its marker and replaced or removed its shards, losing that dataset."""
-    if not out.exists(shards.MANIFEST):
-        return
-    try:
-        found = json.loads(out.read(shards.MANIFEST)).get("format")
-    except (ValueError, AttributeError):  # not a manifest any stage wrote: nothing recognisable to keep
-        return
-    if found != FORMAT:
-        raise VitpipeError(f"{strip_userinfo(out.uri)}: holds a finished output of another kind (format {found!r}); "
-                           "embeddings go to a new folder or an earlier embed output")
 
 
 def _shard_fingerprint(fingerprint: str, key: str) -> str:

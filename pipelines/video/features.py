@@ -143,7 +143,7 @@ def run_video_features(config: VideoFeaturesConfig, *, force: bool = False,
     source_manifest = read_video_manifest(config.data, endpoint_url=config.endpoint_url)
     source = open_store(config.data, endpoint_url=config.endpoint_url)
     out = open_store(config.output, endpoint_url=config.endpoint_url)
-    shards.check_output(out)
+    shards.check_output(out, FORMAT)
     initial, backbone = load_backbone(config, source_manifest)
     bf16 = resolve_precision(config.precision, torch.device("cpu")) is not None  # resolved here, the same for all actors
     identity = run_identity(config, source_manifest, backbone, initial.frame_size, bf16)
