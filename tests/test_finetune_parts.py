@@ -273,3 +273,20 @@ def test_trial_hooks_stop_a_pbt_segment_and_report_the_last_loss():
     report = hooks.report(4, 0, stats, Window(losses=[0.9, 0.7], seconds=1.0), 16, None)
     assert report == {"step": 4, "epoch": 0, "lr": 0.1, "train_loss": 0.7}  # what Tune ranks by, besides val_*
     assert not hooks.keep_best and hooks.checkpoint_at_evaluations_only
+
+
+@pytest.mark.parametrize("factor, start, clipped", [(1.2, {"aug_strength": 0.9, "lr": 0.09}, {"aug_strength": 1.0, "lr": 0.1}),
+                                                    (0.8, {"aug_strength": 0.55, "lr": 1.1e-3}, {"aug_strength": 0.5, "lr": 1e-3})])
+def test_pbt_keeps_a_perturbed_value_within_its_searched_range(factor, start, clipped):
+    # Tune multiplies by 0.8 or 1.2 whatever the range: aug_strength past 1 makes a crop area below zero.
+    from ray.tune.schedulers.pbt import _explore
+
+    from pipelines.image.finetune import build_scheduler as build_tune_scheduler
+
+    config = FinetuneConfig(data="x", init="0" * 32, scheduler="pbt", searcher="random",
+                            search_space={"aug_strength": {"uniform": [0.5, 1.0]}, "lr": {"loguniform": [1e-3, 1e-1]}})
+    pbt = build_tune_scheduler(config)
+    explored, _ = _explore(dict(start), pbt._hyperparam_mutations, resample_probability=0.0,
+                           perturbation_factors=(factor,), custom_explore_fn=pbt._custom_explore_fn)
+    assert explored == pytest.approx(clipped)
+    assert pickle.loads(pickle.dumps(pbt._custom_explore_fn))(dict(start)) == pytest.approx(start)  # Tune saves it

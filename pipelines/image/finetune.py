@@ -39,7 +39,7 @@ from pipelines.core.storage import S3Settings
 from pipelines.image.labeled_rows import DataSpec, raw_bytes
 from pipelines.image.finetune_results import check_sweep_ended, register_best_model, report_sweep, sweep_score
 from pipelines.image.finetune_trial import SweepContext, TrialSettings, run_trial
-from pipelines.image.search_space import build_search_alg
+from pipelines.image.search_space import ClipToRanges, build_search_alg
 from pipelines.training.recipe import (
     RECIPE_NOT_IDENTITY, Workers, pinned_identity, shared_fields,
 )
@@ -155,6 +155,7 @@ def build_scheduler(config: FinetuneConfig) -> Any:
         return PopulationBasedTraining(
             time_attr="step", perturbation_interval=config.perturbation_interval or config.eval_interval,
             hyperparam_mutations=config.space.pbt_mutations(),
+            custom_explore_fn=ClipToRanges(config.space.pbt_ranges()),
         )
     max_t = int(config.space.max_value("steps") or 500)
     grace = min(config.grace_period or config.eval_interval, max_t)

@@ -198,6 +198,26 @@ class SearchSpace:
             raise ValueError(f"scheduler 'pbt' needs at least one of {', '.join(MUTABLE)} searched (not constant)")
         return out
 
+    def pbt_ranges(self) -> dict[str, tuple[float | int, ...]]:
+        """The `(low, high)` of each ranged parameter PBT mutates, which its perturbations must stay within."""
+        return {name: p.values for name, p in self.params.items()
+                if name in MUTABLE and p.kind in ("uniform", "loguniform", "randint")}
+
+
+class ClipToRanges:
+    """PBT's `custom_explore_fn`: Tune multiplies a ranged value by 0.8 or 1.2 whatever its range, so a
+    perturbed `aug_strength` could pass 1 (a crop area below zero past 1.33) and `lr` leave the searched
+    range; each is put back within its [low, high]. A class, not a closure: Tune pickles its scheduler."""
+
+    def __init__(self, bounds: dict[str, tuple[float | int, ...]]) -> None:
+        self.bounds = dict(bounds)
+
+    def __call__(self, config: dict[str, Any]) -> dict[str, Any]:
+        for name, (low, high) in self.bounds.items():
+            if name in config:
+                config[name] = min(max(config[name], low), high)
+        return config
+
 
 def bayes_backend() -> str:
     """"optuna" or "hyperopt", whichever is installed (Optuna first); a ValueError when neither is."""
@@ -228,4 +248,4 @@ def build_search_alg(searcher: Searcher, metric: str, mode: str, seed: int, max_
     return HyperOptSearch(metric=metric, mode=mode, random_state_seed=seed)
 
 
-__all__ = ["MUTABLE", "PARAMS", "Param", "SearchSpace", "Searcher", "bayes_backend", "build_search_alg"]
+__all__ = ["MUTABLE", "PARAMS", "ClipToRanges", "Param", "SearchSpace", "Searcher", "bayes_backend", "build_search_alg"]
