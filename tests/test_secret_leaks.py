@@ -87,6 +87,14 @@ def test_redact_argv_hides_every_kind_of_token_key_password_and_secret():
                                  "--set", "x.client_secret=***"]
 
 
+def test_redact_argv_hides_azure_storage_keys_and_connection_strings():
+    # An Azure connection string carries the account key itself.
+    argv = ["--env", "AZURE_STORAGE_CONNECTION_STRING=AccountKey=k0", "--env", "AZURE_STORAGE_ACCOUNT_KEY=k1",
+            "--env", "AZURE_STORAGE_KEY=k2", "--env", "AZURE_STORAGE_ACCOUNT=acct"]
+    assert redact_argv(argv) == ["--env", "AZURE_STORAGE_CONNECTION_STRING=***", "--env", "AZURE_STORAGE_ACCOUNT_KEY=***",
+                                 "--env", "AZURE_STORAGE_KEY=***", "--env", "AZURE_STORAGE_ACCOUNT=acct"]
+
+
 def test_no_field_of_a_model_or_stage_config_counts_as_a_credential():
     from dataclasses import fields
 

@@ -28,7 +28,8 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # credentials, or a kind of key that is one (`access_key`, `api_key`). Whole words, any case: `num_tokens`
 # and `patch_key` are no secrets, and neither are the tokens of a model (`class_token`, `mask_token`).
 _SECRET_WORD = re.compile(
-    r"(?:^|[_.-])(?:password|passwd|secret|token|credentials?|(?:access|secret|api|private|session|signing)_?key)"
+    r"(?:^|[_.-])(?:password|passwd|secret|token|credentials?|connection_?string"
+    r"|(?:access|secret|api|private|session|signing|account|storage)_?key)"
     r"(?:[_.-]|$)",
     re.IGNORECASE,
 )
