@@ -274,12 +274,12 @@ def test_multiview_on_features_logs_its_clips_times_one_crop(trained):
     ({"feature_dtype": "int8"}, "feature_dtype"),
     ({"init": None}, "backbone: required when training from scratch"),
     ({"output": "DATA"}, "output: "),
+    ({"output": "ABOVE"}, "holds the data"),  # its stale-shard sweep would delete the data's files
     ({"output": "ftp://host/x"}, "ftp://host/x"),
 ])
 def test_bad_config_is_a_one_line_error_naming_the_field(tmp_path, change, words):
     fields = {"data": str(tmp_path / "data"), "output": str(tmp_path / "out"), "init": str(tmp_path), **change}
-    if fields["output"] == "DATA":
-        fields["output"] = fields["data"]
+    fields["output"] = {"DATA": fields["data"], "ABOVE": str(tmp_path)}.get(fields["output"], fields["output"])
     with pytest.raises(ValueError) as err:
         load_config(fields)
     message = str(err.value)

@@ -54,9 +54,15 @@ class DataToOutput(BaseModel):
     _valid_uris = field_validator("data", "output")(_arrow_uri)
 
     def check_output_apart(self, what: str) -> None:
-        """One line if `output` is `data`'s own location: writing `what` there would mix them into the input."""
-        if parse_uri(self.data).uri.rstrip("/") == parse_uri(self.output).uri.rstrip("/"):
+        """One line if `output` is `data`'s own location (writing `what` there would mix them into the input) or
+        holds it (`data: ./shards`, `output: .`): the output's stale shards, everything under its `shards/` this
+        run does not write, would be the data's own files, deleted at the end."""
+        data, output = parse_uri(self.data).uri.rstrip("/"), parse_uri(self.output).uri.rstrip("/")
+        if data == output:
             raise ValueError(f"output: {self.output} is the data's own location; {what} go elsewhere")
+        if data.startswith(output + "/"):
+            raise ValueError(f"output: {strip_userinfo(self.output)} holds the data ({strip_userinfo(self.data)}); "
+                             f"{what} go elsewhere")
 
 
 # MLflow refuses '/' and ':' in a registered model's name; quotes would break our version search.

@@ -45,7 +45,7 @@ from pipelines.core.datasets import read_each_shard
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import stage_run
 from pipelines.core.storage import S3Settings, open_store
-from pipelines.core.uris import parse_uri, resolve_tracking_uri, strip_userinfo
+from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.image.data import normalize, patches_array
 from pipelines.image.embeddings import FORMAT, rows_hash, schema
 from pipelines.image.frozen_model import check_image_data, load_frozen_model
@@ -168,7 +168,7 @@ def run_embed(config: EmbedConfig, *, force: bool = False, ray_address: str | No
     """
     from mlflow.tracking import MlflowClient
 
-    _check_data_outside_output(config)
+    config.check_output_apart("embeddings")  # again: a config copied with another output is not revalidated
     manifest = shards.read_manifest(config.data, endpoint_url=config.endpoint_url)
     check_image_data(config, manifest)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
@@ -192,15 +192,6 @@ def run_embed(config: EmbedConfig, *, force: bool = False, ray_address: str | No
         if not run.finished:
             _log_result(client, run.run_id, result)
     return result
-
-
-def _check_data_outside_output(config: EmbedConfig) -> None:
-    """Refuse an output folder that holds the data (`data: ./shards`, `output: .`): the output's stale shards,
-    everything under its `shards/` but what this run writes, were the data's own files, deleted at the end."""
-    data, output = parse_uri(config.data).uri.rstrip("/"), parse_uri(config.output).uri.rstrip("/")
-    if data.startswith(output + "/"):
-        raise ValueError(f"output: {strip_userinfo(config.output)} holds the data ({strip_userinfo(config.data)}); "
-                         "embeddings go elsewhere")
 
 
 class _Work:
