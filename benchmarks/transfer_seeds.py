@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipelines.runner import run_pipeline  # noqa: E402
-from pipelines.spec import load_spec  # noqa: E402
+from pipelines.spec_file import load_spec  # noqa: E402
 
 # arm -> (spec, stage whose key metric is the arm's figure)
 ARMS = {

@@ -291,7 +291,8 @@ def run(
     force: list[str] = _FORCE,
 ) -> None:
     """Run a pipeline spec's stages in dependency order, reusing stages that already finished."""
-    from pipelines.spec import check_forced, load_spec  # deferred: pydantic models, not needed by the other commands
+    from pipelines.spec import check_forced  # deferred: pydantic models, not needed by the other commands
+    from pipelines.spec_file import load_spec
 
     pipeline_spec = load_spec(spec, sets)  # before MLflow and Ray are imported: a bad spec is answered at once
     check_forced(pipeline_spec, force)

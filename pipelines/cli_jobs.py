@@ -41,7 +41,8 @@ def submit(
     env: list[str] = _ENV,
 ) -> None:
     """Run a pipeline spec as a Ray job on a cluster, following its logs until it ends (as `ray job submit`)."""
-    from pipelines.spec import check_forced, load_spec  # deferred: pydantic models, not needed by the other commands
+    from pipelines.spec import check_forced  # deferred: pydantic models, not needed by the other commands
+    from pipelines.spec_file import load_spec
 
     pipeline_spec = load_spec(spec, sets)
     check_forced(pipeline_spec, force)  # a bad spec fails here, not minutes later on the cluster

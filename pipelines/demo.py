@@ -28,7 +28,8 @@ from pipelines.core.errors import VitpipeError
 from pipelines.corpora.images import export_digits, synth_corpus
 from pipelines.corpora.videos import synth_video_corpus
 from pipelines.runner import PipelineResult, run_pipeline
-from pipelines.spec import PipelineSpec, load_spec
+from pipelines.spec import PipelineSpec
+from pipelines.spec_file import load_spec
 
 SPECS = Path(__file__).resolve().parent / "specs"
 DEMO_SPEC = SPECS / "demo.yaml"

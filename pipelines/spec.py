@@ -12,8 +12,8 @@ A stage is `kind`, `inputs` (upstream stage names, or MLflow run ids / `runs:/` 
 its kind's config model; the stage registry (`pipelines.stages`) says which field each input fills (e.g. fine-tune's
 `init` from its pretrain input). The pipeline fills `tracking_uri`/`experiment` for every stage and, unless a stage
 sets them, `endpoint_url`, ingest's and embed's `output` (`<root>/data/<stage>`; no two stages write one) and
-pretrain/fine-tune's `storage` (`<root>/runs`). `load_spec` checks it all before anything runs: a problem is one
-`SpecError` line naming the file, the stage and the field.
+pretrain/fine-tune's `storage` (`<root>/runs`). `load_spec` (`pipelines.spec_file`) checks it all before anything
+runs: a problem is one `SpecError` line naming the file, the stage and the field.
 """
 
 from __future__ import annotations
@@ -22,19 +22,16 @@ import copy
 import difflib
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from graphlib import CycleError, TopologicalSorter
-from pathlib import Path
 from typing import Any, Literal, NamedTuple, NoReturn
 
-import yaml
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
     field_validator, model_serializer, model_validator,
 )
 
 from pipelines.core.errors import VitpipeError
-from pipelines.core.stage_config import error_message, load_yaml, parse_overrides, yaml_syntax_error
 from pipelines.core.storage import parse_uri
 from pipelines.core.uris import Location, resolve_tracking_uri
 from pipelines.stages import KINDS, RUN, STAGES, Fill
@@ -42,7 +39,7 @@ from pipelines.stages import KINDS, RUN, STAGES, Fill
 Kind = Literal[KINDS]  # type: ignore[valid-type]  # the registry's kinds
 # Fields the pipeline owns (one tracking store and experiment, the runner's parent run): not per stage.
 PIPELINE_OWNED = ("tracking_uri", "experiment", "parent_run_id", "ingest_run_id")
-_TOP_KEYS = ("name", "storage", "tracking_uri", "experiment", "defaults", "stages")
+TOP_KEYS = ("name", "storage", "tracking_uri", "experiment", "defaults", "stages")
 _STAGE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")  # no dots: `--set STAGE.FIELD=VALUE` splits on them
 _RUN_REF = re.compile(r"^([0-9a-f]{32}|runs:/[0-9a-f]{32}(/.*)?|models:/.+)$")
 
@@ -128,9 +125,9 @@ class PipelineSpec(BaseModel):
             for key in values:
                 self._check_key(kind, key, f"defaults '{kind}' field '{key}'")
         for name in self.stages:
-            if not _STAGE_NAME.match(name) or name in _TOP_KEYS:
+            if not _STAGE_NAME.match(name) or name in TOP_KEYS:
                 self._fail(f"stage '{name}'", "a stage name is letters, digits, _ or -, starting with a letter, "
-                           f"and not one of {', '.join(_TOP_KEYS)}")
+                           f"and not one of {', '.join(TOP_KEYS)}")
         for name, stage in self.stages.items():
             for ref in stage.inputs:  # missing stages first, then cycles, then kinds (the registry's inputs alone are acyclic)
                 self._input_kind(name, ref)
@@ -232,7 +229,7 @@ class PipelineSpec(BaseModel):
         if is_run_ref(ref):
             return RUN
         self._fail(f"stage '{name}' field 'inputs'",
-                   f"no stage '{ref}'{_suggest(ref, self.stages)}, and not an MLflow run id, runs:/ or models:/ URI")
+                   f"no stage '{ref}'{suggest(ref, self.stages)}, and not an MLflow run id, runs:/ or models:/ URI")
 
     def _validate_stage(self, name: str) -> None:
         stage = self.stages[name]
@@ -287,7 +284,7 @@ class PipelineSpec(BaseModel):
             self._fail(where, "set by the pipeline for every stage (top-level tracking_uri/experiment), not per stage")
         known = STAGES[kind].config_model.model_fields
         if key not in known:
-            self._fail(where, f"unknown key for {_a(kind)} stage{_suggest(key, known)}")
+            self._fail(where, f"unknown key for {_a(kind)} stage{suggest(key, known)}")
 
     def _fail(self, where: str, message: str) -> NoReturn:
         raise SpecError(f"spec {self._source}: {where}: {message}")
@@ -297,80 +294,10 @@ def _a(kind: str) -> str:
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
-def _suggest(word: str, choices: Iterable[str]) -> str:
+def suggest(word: str, choices: Iterable[str]) -> str:
+    """A hint naming the closest of `choices` to `word` (" (did you mean 'X'?)"), or "" when none is close."""
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _where(loc: Sequence[Any]) -> str:
-    """A pydantic error location in spec terms."""
-    parts = [str(p) for p in loc if p != "[key]"]
-    if len(parts) >= 2 and parts[0] == "stages":
-        field = [p for p in parts[2:] if p != "fields"]
-        return f"stage '{parts[1]}'" + (f" field '{'.'.join(field)}'" if field else "")
-    if len(parts) >= 2 and parts[0] == "defaults":
-        return f"defaults '{parts[1]}'" + (f" field '{'.'.join(parts[2:])}'" if parts[2:] else "")
-    return f"field '{'.'.join(parts)}'" if parts else "top level"
-
-
-def _apply_overrides(data: dict[str, Any], overrides: Sequence[str], source: str) -> None:
-    """`--set STAGE.FIELD[.KEY...]=VALUE` (or a top-level key such as `storage.root=...`) into the raw spec.
-
-    `--set STAGE.FIELD.KEY=V` on a mapping the stage takes from `defaults` starts from a copy of that default
-    (a stage's own mapping replaces the default as a whole): one key changes, the default's others stay."""
-    try:
-        values = parse_overrides(overrides)
-    except ValueError as err:
-        raise SpecError(f"spec {source}: {err}") from None
-    stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
-    defaults = data.get("defaults") if isinstance(data.get("defaults"), dict) else {}
-    for key, value in values.items():
-        path = key.split(".")
-        if path[0] in stages:
-            node, rest = stages[path[0]], path[1:]
-            kind = node.get("kind") if isinstance(node, dict) else None
-            default = defaults.get(kind, {}) if isinstance(kind, str) else {}  # that of the stage's kind
-        elif path[0] in _TOP_KEYS:
-            node, rest, default = data, path, {}
-        else:
-            raise SpecError(f"spec {source}: --set {key}: no stage '{path[0]}'{_suggest(path[0], stages)}")
-        if not rest or not isinstance(node, dict):
-            raise SpecError(f"spec {source}: --set {key}: expected STAGE.FIELD=VALUE")
-        for part in rest[:-1]:
-            default = default.get(part) if isinstance(default, dict) else None
-            node = node.setdefault(part, copy.deepcopy(default) if isinstance(default, dict) else {})
-            if not isinstance(node, dict):
-                raise SpecError(f"spec {source}: --set {key}: '{part}' is not a mapping")
-        node[rest[-1]] = value
-
-
-def parse_spec(data: Any, source: str = "<spec>", overrides: Sequence[str] = ()) -> PipelineSpec:
-    """Validate a spec given as a mapping (e.g. parsed YAML); `source` names it in messages."""
-    if not isinstance(data, dict):
-        raise SpecError(f"spec {source}: must be a mapping of {', '.join(_TOP_KEYS)}, got {type(data).__name__}")
-    data = copy.deepcopy(data)
-    _apply_overrides(data, overrides, source)
-    try:
-        return PipelineSpec.model_validate(data, context={"source": source})
-    except ValidationError as err:
-        first = err.errors()[0]
-        message = "unknown key" if first["type"] == "extra_forbidden" else error_message(first)
-        raise SpecError(f"spec {source}: {_where(first['loc'])}: {message}") from None
-
-
-def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> PipelineSpec:
-    """Read, override (`--set STAGE.FIELD=VALUE`) and validate a spec file; `SpecError` on any problem."""
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        cause = "no such file" if isinstance(err, FileNotFoundError) else f"cannot read ({err.strerror})"
-        raise SpecError(f"spec {source}: {cause}") from None
-    try:
-        data = load_yaml(text)
-    except yaml.YAMLError as err:
-        raise SpecError(f"spec {source}: {yaml_syntax_error(err)}") from None
-    return parse_spec(data, source, overrides)
 
 
 def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
@@ -383,6 +310,6 @@ def check_forced(spec: PipelineSpec, force: Iterable[str]) -> set[str]:
     return names
 
 
-__all__ = ["PIPELINE_OWNED", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec",
-           "check_forced", "is_run_ref", "load_spec", "parse_spec"]
+__all__ = ["PIPELINE_OWNED", "TOP_KEYS", "InputRef", "Kind", "PipelineSpec", "SpecError", "StageSpec", "StorageSpec",
+           "check_forced", "is_run_ref", "suggest"]
 

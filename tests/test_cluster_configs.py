@@ -19,7 +19,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from pipelines.spec import load_spec
+from pipelines.spec_file import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"

@@ -28,7 +28,7 @@ from pipelines.image.embed import run_embed
 from pipelines.image.configs import EmbedConfig
 from pipelines.image.embeddings import embedding_matrix, read_embeddings
 from pipelines.runner import run_pipeline
-from pipelines.spec import load_spec
+from pipelines.spec_file import load_spec
 
 TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}
 

@@ -20,7 +20,7 @@ from pipelines.core import shards
 from pipelines.core.storage import open_store
 from pipelines.image.reconstruction import RECONSTRUCTION_FIGURE
 from pipelines.runner import PipelineResult, run_pipeline
-from pipelines.spec import load_spec
+from pipelines.spec_file import load_spec
 from pipelines.video.model import FrozenBackbone, build_initial_model
 from vit.mae import load_mae
 

@@ -243,7 +243,7 @@ def test_an_mae_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_
 
 
 def test_the_mae_demo_spec_chains_mae_pretraining_into_a_fine_tune():
-    from pipelines.spec import load_spec
+    from pipelines.spec_file import load_spec
 
     spec = load_spec(Path(pretrain.__file__).parents[1] / "specs" / "mae_demo.yaml")
     assert spec.resolved_config("mae")["objective"] == "mae"

@@ -26,7 +26,8 @@ import vit
 from pipelines.core import tracking
 from pipelines.core.errors import VitpipeError
 from pipelines.runner import TAG_FORCED, PipelineResult, forced_stamps, run_pipeline
-from pipelines.spec import PipelineSpec, load_spec
+from pipelines.spec import PipelineSpec
+from pipelines.spec_file import load_spec
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.core.errors import VitpipeError
-from pipelines.spec import PipelineSpec, SpecError, load_spec
+from pipelines.spec import PipelineSpec, SpecError
+from pipelines.spec_file import load_spec
 from pipelines.stages import STAGES
 
 SPECS = Path(__file__).resolve().parent.parent / "pipelines" / "specs"

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.core import tracking
 from pipelines.corpora.videos import synth_video_corpus
 from pipelines.runner import PIPELINE_STAGE, TAG_PIPELINE, TAG_STAGE_NAME, TAG_UPSTREAM, run_pipeline
-from pipelines.spec import parse_spec
+from pipelines.spec_file import parse_spec
 from pipelines.video.train import TAG_BACKBONE_RUN, TAG_VIDEO_RUN
 from tests.video_fixtures import FRAMES, TEMPORAL, logged_backbone_run, upload_tree
 

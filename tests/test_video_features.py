@@ -325,7 +325,7 @@ def test_training_on_features_with_a_different_backbone_or_flips_is_refused_in_o
 
 
 def test_spec_accepts_a_video_features_stage_and_wires_it_into_video_train(tmp_path):
-    from pipelines.spec import load_spec
+    from pipelines.spec_file import load_spec
 
     run = "runs:/" + "a" * 32 + "/checkpoints/final"
     path = tmp_path / "spec.yaml"
