@@ -272,12 +272,30 @@ class PipelineSpec(BaseModel):
         for name in self.stages:
             config = self.resolved_config(name)
             if config.get("output") is not None:
-                where = parse_uri(config["output"])  # one bucket and prefix on two S3 endpoints: two places
-                key = (config.get("endpoint_url") if where.scheme == "s3" else None, where)
+                key = _place(config["output"], config)
                 if key in writers:
                     self._fail(f"stage '{name}' field 'output'",
-                               f"{where.uri} is also the output of stage '{writers[key]}'; each stage needs its own")
+                               f"{key[1].uri} is also the output of stage '{writers[key]}'; each stage needs its own")
                 writers[key] = name
+        for name in self.stages:
+            self._check_data_paths(name, writers)
+
+    def _check_data_paths(self, name: str, writers: Mapping[tuple[str | None, Location], str]) -> None:
+        # A path to another stage's output, not named in inputs, is not ordered after that stage: it read
+        # whatever the folder held then (nothing yet, or a stale run's shards), and no reuse saw the change.
+        kind, config = self.stages[name].kind, self.resolved_config(name)
+        for field in {fill.field for fill in STAGES[kind].inputs.values() if fill.source == "output"}:
+            value = config.get(field)
+            key = _place(value, config) if isinstance(value, str) and not is_run_ref(value) else None
+            writer = writers.get(key) if key else None
+            if writer is None or writer == name or key is None:  # data in its own output: the config refuses it
+                continue
+            other, where = self.stages[writer].kind, f"stage '{name}' field '{field}'"
+            if STAGES[kind].inputs.get(other, Fill("", "")).field == field:
+                self._fail(where, f"{key[1].uri} is the output of stage '{writer}'; name '{writer}' in inputs "
+                           "instead, so that it runs first")
+            self._fail(where, f"{key[1].uri} is the output of stage '{writer}', {_a(other)} stage, which "
+                       f"{_a(kind)} stage cannot read")
 
     def _check_key(self, kind: str, key: str, where: str) -> None:
         if key in PIPELINE_OWNED:
@@ -288,6 +306,12 @@ class PipelineSpec(BaseModel):
 
     def _fail(self, where: str, message: str) -> NoReturn:
         raise SpecError(f"spec {self._source}: {where}: {message}")
+
+
+def _place(uri: str, config: Mapping[str, Any]) -> tuple[str | None, Location]:
+    """Where `uri` is, as two stages' paths compare: one bucket and prefix on two S3 endpoints are two places."""
+    where = parse_uri(uri)
+    return (config.get("endpoint_url") if where.scheme == "s3" else None, where)
 
 
 def _a(kind: str) -> str:

@@ -283,6 +283,28 @@ def test_an_output_set_to_another_stages_own_output_folder_is_refused(tmp_path: 
     assert "is also the output of stage 'raw'" in error_of(write(tmp_path, text))
 
 
+def test_a_data_path_naming_another_stages_output_is_refused_with_the_input_to_name(tmp_path: Path) -> None:
+    # Not ordered after that stage, it read whatever the folder held then (nothing, or an older run's shards).
+    message = bad(tmp_path, "scratch: {kind: finetune, inputs: [target]}",
+                  "scratch: {kind: finetune, data: ./store/data/target/}")
+    assert message.endswith(f"stage 'scratch' field 'data': {Path('store/data/target').absolute()} is the output of "
+                            "stage 'target'; name 'target' in inputs instead, so that it runs first")
+
+
+def test_a_data_path_naming_the_output_of_a_stage_it_cannot_read_says_so(tmp_path: Path) -> None:
+    text = GOOD + "  feats: {kind: embed, inputs: [target, pre]}\n  late: {kind: pretrain, data: store/data/feats, model: ViT-Ti/4, steps: 20, warmup_steps: 2}\n"
+    assert error_of(write(tmp_path, text)).endswith(
+        f"stage 'late' field 'data': {Path('store/data/feats').absolute()} is the output of stage 'feats', "
+        "an embed stage, which a pretrain stage cannot read")
+
+
+def test_a_data_path_outside_every_stages_output_is_taken_as_written(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD.replace("scratch: {kind: finetune, inputs: [target]}",
+                                                  "scratch: {kind: finetune, data: store/data/elsewhere}")))
+    assert spec.resolved_config("scratch")["data"] == "store/data/elsewhere"
+    assert spec.upstream("scratch") == []
+
+
 def test_an_output_in_an_ingest_default_would_be_shared_by_every_ingest_and_is_refused(tmp_path: Path) -> None:
     text = GOOD.replace("defaults:\n", "defaults:\n  ingest: {output: s3://bucket/shards}\n")
     assert error_of(write(tmp_path, text)).endswith(
