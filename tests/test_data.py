@@ -4,6 +4,7 @@ and the manifest reader they use (`pipelines.core.shards.read_manifest`)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -56,6 +57,26 @@ def test_read_manifest_refuses_an_unfinished_output(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")
     with pytest.raises(VitpipeError, match="not a finished ingest output"):
         read_manifest(str(tmp_path))
+
+
+def finished(folder: Path, manifest: dict) -> str:
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "_SUCCESS").write_text("{}")
+    return str(folder)
+
+
+def test_read_manifest_refuses_an_output_of_another_format_naming_what_it_holds(tmp_path):
+    videos = shards.Holds("vitpipe-video/1", "a video dataset")
+    with pytest.raises(VitpipeError) as err:
+        read_manifest(finished(tmp_path, {"format": "vitpipe-embeddings/1"}), expect=videos)
+    assert str(err.value) == f"{tmp_path}: not a video dataset (format 'vitpipe-embeddings/1', expected 'vitpipe-video/1')"
+
+
+def test_a_manifest_that_names_no_format_is_read_as_an_image_dataset(tmp_path):
+    uri = finished(tmp_path, {"counts": {"train": 1}})
+    assert read_manifest(uri, expect=shards.IMAGES) == {"counts": {"train": 1}}
+    with pytest.raises(VitpipeError, match="format 'vitpipe-patches/1'"):
+        read_manifest(uri, expect=shards.Holds("vitpipe-video/1", "a video dataset"))
 
 
 @pytest.fixture(scope="module")

@@ -119,18 +119,24 @@ def test_another_model_is_not_reused_from_a_finished_output(embedded, setup):
 
 
 
-@pytest.mark.parametrize("stage", ["embed", "evaluate"])
+@pytest.mark.parametrize("stage", ["embed", "evaluate", "pretrain", "finetune"])
 def test_an_output_that_holds_no_images_as_the_data_is_refused_in_one_line_naming_it(embedded, setup, tmp_path, stage):
-    from pipelines.image.configs import EvaluateConfig
+    from pipelines.image.configs import EvaluateConfig, FinetuneConfig, PretrainConfig
     from pipelines.image.evaluate import run_evaluate
+    from pipelines.image.finetune import run_finetune
+    from pipelines.image.pretrain import run_pretrain
 
     config, _ = embedded  # its output: embeddings, no patches to read
-    fields = {"data": config.output, "init": setup["run_id"], "tracking_uri": setup["tracking_uri"]}
+    fields = {"data": config.output, "tracking_uri": setup["tracking_uri"]}
+    runs = {  # pretrain and fine-tune failed on the first image field missing: "KeyError: 'image_size'"
+        "embed": lambda: run_embed(EmbedConfig(**fields, init=setup["run_id"], output=str(tmp_path / "again"))),
+        "evaluate": lambda: run_evaluate(EvaluateConfig(**fields, init=setup["run_id"], shots=[1], repeats=1)),
+        "pretrain": lambda: run_pretrain(PretrainConfig(**fields, steps=4, warmup_steps=1, storage=str(tmp_path))),
+        "finetune": lambda: run_finetune(FinetuneConfig(**fields, init=setup["run_id"], storage=str(tmp_path),
+                                                        search_space={"lr": 0.01, "steps": 4}, batch_size=8)),
+    }
     with pytest.raises(VitpipeError) as err:
-        if stage == "embed":
-            run_embed(EmbedConfig(**fields, output=str(tmp_path / "again")))
-        else:
-            run_evaluate(EvaluateConfig(**fields, shots=[1], repeats=1))
+        runs[stage]()
     assert str(err.value) == (f"{config.output}: not an image dataset (format 'vitpipe-embeddings/1', "
                               "expected 'vitpipe-patches/1')")
 

@@ -21,7 +21,7 @@ import os
 import posixpath
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import blake3
 import numpy as np
@@ -231,20 +231,41 @@ def _manifest_format(out: Store) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def read_manifest(output: str | Store, *, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The parsed `manifest.json` of a finished sharded output (a URI, or a `Store` already open on it).
+class Holds(NamedTuple):
+    """What a finished output holds: the `format` its manifest names, and what a message calls it."""
 
-    Every reader of a manifest comes here; format checks (video, features) are the callers'.
-    Raises `VitpipeError` (one line naming the URI) when there is no `_SUCCESS` marker or the
-    manifest is not JSON, and `StorageError` when the output cannot be read.
+    format: str
+    noun: str
+
+
+IMAGES = Holds(FORMAT, "an image dataset")
+
+
+def read_manifest(output: str | Store, *, endpoint_url: str | None = None, expect: Holds | None = None) -> dict[str, Any]:
+    """The parsed `manifest.json` of a finished sharded output (a URI, or a `Store` already open on it),
+    checked to hold `expect` when given (`check_format`).
+
+    Every reader of a manifest comes here. Raises `VitpipeError` (one line naming the URI) when there is
+    no `_SUCCESS` marker, the manifest is not JSON or holds another format, and `StorageError` when the
+    output cannot be read.
     """
     store = open_store(output, endpoint_url=endpoint_url) if isinstance(output, str) else output
     if not store.exists(SUCCESS):
         raise VitpipeError(f"{store.uri}: not a finished ingest output (no {SUCCESS} marker)")
     try:
-        return json.loads(store.read(MANIFEST))
+        manifest = json.loads(store.read(MANIFEST))
     except ValueError as exc:
         raise VitpipeError(f"{store.child_uri(MANIFEST)}: not valid JSON ({exc})") from None
+    return manifest if expect is None else check_format(store.uri, manifest, expect)
+
+
+def check_format(uri: str, manifest: dict[str, Any], expect: Holds) -> dict[str, Any]:
+    """`manifest` (read from `uri`) if it holds `expect`; else a one-line `VitpipeError`. Read as another
+    kind, an output failed on the first key it lacks ("KeyError: 'image_size'")."""
+    found = manifest.get("format", FORMAT)  # every image ingest names it; a manifest without one is read as one
+    if found != expect.format:
+        raise VitpipeError(f"{strip_userinfo(uri)}: not {expect.noun} (format {found!r}, expected {expect.format!r})")
+    return manifest
 
 
 def require_labels(manifest: Mapping[str, Any], data: str, reader: str, hint: str = "") -> None:

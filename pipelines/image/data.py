@@ -133,7 +133,7 @@ def patch_dataset(
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = shards.read_manifest(store)
+    manifest = shards.read_manifest(store, expect=shards.IMAGES)
     keys = [s["path"] for s in manifest["shards"] if s.get("split", {}).get(split, 0) > 0]
     if not keys:
         raise VitpipeError(f"{store.uri}: split {split!r} has no images")
@@ -169,7 +169,7 @@ def load_split(
     if split not in shards.SPLITS:
         raise ValueError(f"split must be one of {', '.join(shards.SPLITS)}, got {split!r}")
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = shards.read_manifest(store)
+    manifest = shards.read_manifest(store, expect=shards.IMAGES)
     tables = []
     for entry in manifest["shards"]:
         if entry.get("split", {}).get(split, 0) > 0:

@@ -48,7 +48,7 @@ from pipelines.core.storage import S3Settings, open_store
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.image.data import normalize, patches_array
 from pipelines.image.embeddings import FORMAT, rows_hash, schema
-from pipelines.image.frozen_model import check_image_data, load_frozen_model
+from pipelines.image.frozen_model import load_frozen_model
 from pipelines.image.patches import resize_patches
 from pipelines.training.step import resolve_precision
 from pipelines.image.configs import EmbedConfig
@@ -169,8 +169,7 @@ def run_embed(config: EmbedConfig, *, force: bool = False, ray_address: str | No
     from mlflow.tracking import MlflowClient
 
     config.check_output_apart("embeddings")  # again: a config copied with another output is not revalidated
-    manifest = shards.read_manifest(config.data, endpoint_url=config.endpoint_url)
-    check_image_data(config, manifest)
+    manifest = shards.read_manifest(config.data, endpoint_url=config.endpoint_url, expect=shards.IMAGES)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     start, size = load_frozen_model(config, manifest, tracking_uri)
     model = vit.at_resolution(start.model, size, 0)

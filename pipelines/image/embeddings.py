@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipelines.core.errors import VitpipeError
-from pipelines.core.shards import read_manifest
+from pipelines.core.shards import Holds, read_manifest
 from pipelines.core.storage import open_store
 
 FORMAT = "vitpipe-embeddings/1"
+EMBEDDINGS = Holds(FORMAT, "an embed output")
 
 
 def schema(dim: int, labeled: bool) -> pa.Schema:
@@ -49,9 +49,7 @@ def read_embeddings(uri: str, *, endpoint_url: str | None = None) -> tuple[dict[
     import pyarrow.parquet as pq
 
     store = open_store(uri, endpoint_url=endpoint_url)
-    manifest = read_manifest(store)
-    if manifest.get("format") != FORMAT:
-        raise VitpipeError(f"{store.uri}: not an embed output (format {manifest.get('format')!r}, not {FORMAT!r})")
+    manifest = read_manifest(store, expect=EMBEDDINGS)
     target = schema(int(manifest["embedding_dim"]), bool(manifest["labeled"]))
     tables = [pq.read_table(path, filesystem=fs) for fs, path in (store.arrow(s["path"]) for s in manifest["shards"])]
     table = pa.concat_tables(tables) if tables else target.empty_table()
@@ -65,4 +63,4 @@ def embedding_matrix(table: pa.Table) -> np.ndarray:
     return column.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim)
 
 
-__all__ = ["FORMAT", "embedding_matrix", "read_embeddings", "rows_hash", "schema"]
+__all__ = ["EMBEDDINGS", "FORMAT", "embedding_matrix", "read_embeddings", "rows_hash", "schema"]

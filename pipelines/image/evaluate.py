@@ -30,9 +30,9 @@ from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import finished_run_id, stage_run
 from pipelines.core.storage import S3Settings, open_store
-from pipelines.core.shards import read_manifest, require_labels
+from pipelines.core.shards import IMAGES, read_manifest, require_labels
 from pipelines.image.labeled_rows import DataSpec, decode_batch, iter_rows
-from pipelines.image.frozen_model import check_image_data, frozen_origin, load_frozen_model
+from pipelines.image.frozen_model import frozen_origin, load_frozen_model
 from pipelines.training.starting_weights import Origin, origin_identity
 from pipelines.core.shards import class_labels, class_names
 from pipelines.image.configs import EvaluateConfig
@@ -221,8 +221,7 @@ def run_identity(config: EvaluateConfig, manifest: dict[str, Any], origin: Origi
 
 def run_evaluate(config: EvaluateConfig) -> EvaluateResult:
     """Run the few-shot evaluation of `config.init` on `config.data`; one MLflow run, returned as a result."""
-    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
-    check_image_data(config, manifest)
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url, expect=IMAGES)
     # Up front: with no classes the probe failed deep inside, after opening a run, naming neither data nor cause.
     require_labels(manifest, config.data, "few-shot evaluation, which scores class labels,")
     tracking_uri = resolve_tracking_uri(config.tracking_uri)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_MODEL, TAG_REGISTERED_VERSION
-from pipelines.core.shards import num_classes, read_manifest, require_labels
+from pipelines.core.shards import IMAGES, num_classes, read_manifest, require_labels
 from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, finished_run_id, stage_run
@@ -193,7 +193,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
     Raises ValueError for bad input (one line naming the field, run or URI) and
     `VitpipeError` when every trial failed.
     """
-    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url, expect=IMAGES)
     require_labels(manifest, config.data, "fine-tuning, which trains a classifier on its labels,")
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
     client = MlflowClient(tracking_uri)

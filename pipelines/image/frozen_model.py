@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pipelines.core import shards
-from pipelines.core.errors import VitpipeError
-from pipelines.core.uris import strip_userinfo
 from pipelines.training.starting_weights import (Origin, StartingWeights, built_at, fetch_starting_weights,
                                                  starting_config, starting_origin)
 
@@ -25,15 +22,6 @@ class FrozenModelFields(Protocol):
     resolution: int | None
     endpoint_url: str | None
     seed: int  # draws a from-scratch model's weights (init none)
-
-
-def check_image_data(config: FrozenModelFields, manifest: dict[str, Any]) -> None:
-    """Refuse, in one line naming it, a finished output that holds no image patches (an embed output, a
-    video dataset): read as one, it failed on the first missing manifest key ("KeyError: 'image_size'")."""
-    found = manifest.get("format", shards.FORMAT)  # every image ingest writes it; one without it is read as one
-    if found != shards.FORMAT:
-        raise VitpipeError(f"{strip_userinfo(config.data)}: not an image dataset (format {found!r}, "
-                           f"expected {shards.FORMAT!r})")
 
 
 def frozen_origin(config: FrozenModelFields, manifest: dict[str, Any], tracking_uri: str) -> tuple[Origin, int]:
@@ -72,4 +60,4 @@ def _resolution(config: FrozenModelFields, manifest: dict[str, Any], model_confi
     return size
 
 
-__all__ = ["FrozenModelFields", "check_image_data", "frozen_origin", "load_frozen_model"]
+__all__ = ["FrozenModelFields", "frozen_origin", "load_frozen_model"]

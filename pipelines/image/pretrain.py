@@ -28,7 +28,7 @@ from vit.mae import DECODER_FILE, MAE_CONFIG_FILE, load_mae, num_visible
 from pipelines.core import tracking
 from pipelines.core.cluster import connect
 from pipelines.core.registry import TAG_MODEL_URI
-from pipelines.core.shards import num_classes, read_manifest, require_labels
+from pipelines.core.shards import IMAGES, num_classes, read_manifest, require_labels
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import finished_run_id, stage_run
@@ -221,7 +221,7 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
     Raises `TrainingDivergedError` when the loss goes NaN/inf and `VitpipeError`
     when training fails beyond `max_failures` restarts.
     """
-    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url)
+    manifest = read_manifest(config.data, endpoint_url=config.endpoint_url, expect=IMAGES)
     check_labels(config, manifest)
     overrides = model_overrides(config, manifest)
     # An MAE run validates nothing while it trains (validation top-1 needs labels and a head).

@@ -59,7 +59,7 @@ def read_video_manifest(uri: str, *, endpoint_url: str | None = None) -> dict[st
 
 def check_video_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """`manifest`, read from `uri`, if it is a video ingest output's and lists classes; `VitpipeError` otherwise."""
-    return check_classes(uri, video_shards.check_manifest(uri, manifest))
+    return check_classes(uri, shards.check_format(uri, manifest, video_shards.VIDEOS))
 
 
 def check_classes(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -46,14 +46,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipelines.core.errors import VitpipeError
+from pipelines.core.shards import Holds
 
 __all__ = [
-    "COLUMNS", "FORMAT", "SCHEMA", "VIDEO_FIELDS", "build_table", "check_manifest", "content_hash", "decode_frames",
+    "COLUMNS", "FORMAT", "SCHEMA", "VIDEOS", "VIDEO_FIELDS", "build_table", "content_hash", "decode_frames",
     "read_video_rows", "rows_hash", "split_clips", "table_hash", "video_arrays",
 ]
 
 FORMAT = "vitpipe-video/1"
+VIDEOS = Holds(FORMAT, "a video dataset")
 
 # What every row says of its video, beside its frames (or, in `pipelines.video.features`, their features).
 VIDEO_FIELDS = [
@@ -188,10 +189,3 @@ def content_hash(frame_size: int, sampling: Mapping[str, Any], classes: Mapping[
         "shards": list(shard_hashes),
     }
     return "sha256:" + hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
-
-
-def check_manifest(uri: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """`manifest`, read from `uri`, if it is a video ingest output's; raises `VitpipeError` (one line) otherwise."""
-    if manifest.get("format") != FORMAT:
-        raise VitpipeError(f"{uri}: not a video dataset (format {manifest.get('format')!r}, expected {FORMAT!r})")
-    return manifest
