@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from pipelines.core.cluster import send_token_when_at_hand
 from pipelines.core.errors import VitpipeError
 from pipelines.core.logfile import is_secret_name, redact_argv
 from pipelines.core.uris import scrub_userinfo, strip_userinfo
@@ -45,17 +46,10 @@ class JobError(VitpipeError):
     """A Jobs API request that failed: one line naming the address and the cause."""
 
 
-def _has_token() -> bool:
-    """True when one of Ray's token sources is set (its value is never read here)."""
-    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                or (Path.home() / ".ray" / "auth_token").is_file())
-
-
 def _client(address: str) -> Any:
     # Ray's client sends the token only in token mode; with a token at hand, send it
     # (clusters keep auth on, and Ray itself defaults to it from 2.61).
-    if _has_token():
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    send_token_when_at_hand()
     from ray.job_submission import JobSubmissionClient
 
     try:

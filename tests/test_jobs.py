@@ -283,6 +283,18 @@ def _pretrain_steps(client) -> int:
     return len(client.get_metric_history(runs[0].info.run_id, "train_loss")) if runs else 0
 
 
+def test_the_jobs_api_sends_the_token_from_a_program_that_used_ray_before(token_cluster, followed_job):
+    # Ray caches its config at first use: RAY_AUTH_MODE set later is not seen unless the config is reloaded.
+    program = ("import sys; from ray._private.authentication.authentication_utils import is_token_auth_enabled; "
+               "assert not is_token_auth_enabled(); from pipelines import jobs; "
+               "print([j['id'] for j in jobs.list_jobs(sys.argv[1])])")
+    env = {k: v for k, v in token_cluster.env.items() if k != "RAY_AUTH_MODE"}
+    done = subprocess.run([sys.executable, "-c", program, token_cluster.address], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert followed_job.submission_id in done.stdout
+
+
 @pytest.mark.parametrize("token", ["wrong", None], ids=["wrong-token", "no-token"])
 def test_a_client_without_the_right_token_is_refused_in_one_line(token_cluster, ingest_spec, tmp_path, token):
     env = {k: v for k, v in token_cluster.env.items() if not k.startswith("RAY_AUTH_TOKEN")}

@@ -20,16 +20,33 @@ def connect(address: str | None = None, **local: Any) -> None:
     `object_store_memory`; Ray refuses them when joining a running cluster, whose head decided them.
     """
     import ray  # deferred: importing ray takes seconds; the CLI imports this module at start-up
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
         if address not in (None, "auto", "local"):
             # Ray 2.60 turns token mode on by itself (with a token at hand, RAY_AUTH_MODE unset) for a cluster it
             # finds, never for a given address, whose GCS then refuses this process after 20 s of retries.
-            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+            send_token_when_at_hand()
         ray.init(address=address, **local)
         stopping.handle_sigterm()  # ray.init put Ray's `sys.exit(15)` in its place
+
+
+def send_token_when_at_hand() -> None:
+    """Ray's token mode for this process when `RAY_AUTH_MODE` is unset and a token is where Ray's tools look
+    (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`): Ray's own rule, which also reloads the
+    config Ray cached at first use (`RAY_AUTH_MODE` set by hand after that is not seen). Its warning that
+    token mode is on is kept off stderr, where vitpipe's errors are one line."""
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as setup
+
+    ray_logger = logging.getLogger(setup.__name__)
+    level = ray_logger.level
+    ray_logger.setLevel(logging.ERROR)
+    try:
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        ray_logger.setLevel(level)
 
 
 @contextmanager
