@@ -290,6 +290,12 @@ def checkpoint_step(fs: Any, path: str) -> int:
     return int(_position(fs, path)["step"])
 
 
+def checkpoint_report(fs: Any, path: str) -> dict[str, float]:
+    """The report a train-state checkpoint was written with (its `position.json`): the metrics of its very
+    weights; empty for a checkpoint written without one."""
+    return dict(_position(fs, path).get("report") or {})
+
+
 def _report_at_end(fs: Any, checkpoint: str | None, steps: int) -> dict[str, float] | None:
     """The report a checkpoint at or past `steps` was written with; None when training is still to do.
 
