@@ -4,7 +4,8 @@ The driver fetches the starting weights (see `pipelines.training.starting_weight
 checks them against the data, stages them in the storage, opens the stage's
 MLflow run and runs the sweep: each trial a Ray Train run (see
 `pipelines.image.finetune_trial`) logging into a nested child run. Afterwards the best
-trial (by `metric`/`mode`) is evaluated on the test split, logged with the sweep
+trial (by the `metric` stored with its last checkpoint, `mode`; see
+`finetune_results.score_trial`) is evaluated on the test split, logged with the sweep
 and confusion-matrix figures, and registered in the MLflow Model Registry with
 tags linking it to its pretrain run and data manifest.
 

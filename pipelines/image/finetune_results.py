@@ -11,6 +11,7 @@ the name carries the `champion` alias.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import tempfile
@@ -26,15 +27,18 @@ from pipelines.core.shards import class_names, num_classes
 from pipelines.core.stopping import Stopped
 from pipelines.image.configs import METRICS
 from pipelines.image.labeled_rows import iter_rows
-from pipelines.image.finetune_trial import latest_checkpoint
+from pipelines.image.finetune_trial import checkpoint_report, latest_checkpoint
 
+logger = logging.getLogger("vitpipe.finetune")  # under "vitpipe": its handlers scrub credentials
 TAG_TRIAL_STATUS = "vitpipe.trial_status"
 TAG_FINETUNE_RUN = "vitpipe.finetune_run_id"
 TRIAL_CURVES_FIGURE = "trial_curves.png"
 
 
-def trial_outcomes(result_grid: Any, metric: str) -> list[dict[str, Any]]:
-    """One record per trial: id, config, status (completed | early_stopped | failed), last metrics, error."""
+def trial_outcomes(result_grid: Any, metric: str, storage_path: str, filesystem: Any) -> list[dict[str, Any]]:
+    """One record per trial: id, config, status (completed | early_stopped | failed), `last` (Tune's last
+    result), error, and its score (`score_trial`; trial Train runs live under `storage_path`)."""
+    fs = filesystem or _local_fs()
     out = []
     for trial in result_grid._experiment_analysis.trials:  # ResultGrid keeps no trial ids of its own
         last = dict(trial.last_result or {})
@@ -46,11 +50,31 @@ def trial_outcomes(result_grid: Any, metric: str) -> list[dict[str, Any]]:
             status = "early_stopped"
         else:
             status = "completed"
-        out.append({
-            "trial_id": trial.trial_id, "config": dict(trial.config), "status": status, "last": last,
-            "metric": last.get(metric) if status != "failed" else None, "error": error,
-        })
+        outcome = {"trial_id": trial.trial_id, "config": dict(trial.config), "status": status, "last": last,
+                   "error": error}
+        out.append(score_trial(outcome, metric, storage_path, fs))
     return out
+
+
+def score_trial(outcome: dict[str, Any], metric: str, storage_path: str, fs: Any) -> dict[str, Any]:
+    """`outcome` with its `checkpoint` (furthest Train checkpoint, see `trial_checkpoint`), `checkpoint_step`
+    and `metric`: the value stored with that checkpoint, i.e. the score of the weights that would be tested.
+
+    Not Tune's last result: under ASHA a trial's last report need not be at a checkpoint (its checkpoint may
+    be older, or newer when its workers trained on a moment after the stop). A failed trial, or one that
+    never saved, has no score and cannot be the best.
+    """
+    path = trial_checkpoint(storage_path, fs, outcome["trial_id"]) if outcome["status"] != "failed" else None
+    report = {}
+    if path:
+        try:
+            report = checkpoint_report(fs, path)
+        except (OSError, ValueError) as e:  # a worker killed while saving it (ASHA's stop): skip, don't fail the sweep
+            logger.warning("finetune: trial %s: unscored, checkpoint %s unreadable: %s", outcome["trial_id"], path,
+                           error_line(e))
+            path = None
+    return {**outcome, "checkpoint": path, "checkpoint_step": int(report["step"]) if "step" in report else None,
+            "metric": report.get(metric)}
 
 
 def finish_trial_runs(client: Any, parent: str, outcomes: list[dict[str, Any]]) -> None:
@@ -105,7 +129,7 @@ def log_trial_curves(client: Any, run_id: str, outcomes: list[dict[str, Any]],
 
 
 def pick_best(outcomes: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
-    """The trial with the best last value of the metric (failed trials excluded)."""
+    """The trial whose score (`score_trial`: its checkpoint's metric) is best; None when no trial has one."""
     scored = [t for t in outcomes if t["metric"] is not None and math.isfinite(float(t["metric"]))]
     if not scored:
         return None
@@ -129,23 +153,34 @@ def evaluate_split(model: Any, data: Any, split: str, size: int) -> tuple[float,
     return float(np.trace(matrix) / total), matrix
 
 
-def load_trial_model(storage_path: str, filesystem: Any, trial_id: str) -> Any:
-    """The model of a trial's furthest Train checkpoint.
+def _local_fs() -> Any:
+    import pyarrow.fs as pafs
+
+    return pafs.LocalFileSystem()
+
+
+def trial_checkpoint(storage_path: str, fs: Any, trial_id: str) -> str | None:
+    """The path of a trial's furthest Train checkpoint, or None when it saved none.
 
     Under PBT a trial trains on in runs named `<trial>-from-<hash>` after each
     clone; the checkpoint with the highest step among all its runs is its last.
     """
     import pyarrow.fs as pafs
 
-    fs = filesystem or pafs.LocalFileSystem()
     infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
     runs = [i.path for i in infos if i.base_name == trial_id or i.base_name.startswith(f"{trial_id}-from-")]
     found = [path for path in (latest_checkpoint(fs, run) for run in runs) if path]
     if not found:
-        raise VitpipeError(f"trial {trial_id}: no checkpoint under {storage_path}/{trial_id}")
-    path = max(found, key=lambda p: (int(p.rsplit("_", 1)[1]), fs.get_file_info(p).mtime_ns or 0))
+        return None
+    return max(found, key=lambda p: (int(p.rsplit("_", 1)[1]), fs.get_file_info(p).mtime_ns or 0))
+
+
+def load_trial_model(checkpoint: str, filesystem: Any) -> Any:
+    """The model of a trial checkpoint (a `score_trial` outcome's `checkpoint`: the weights it was scored by)."""
+    import pyarrow.fs as pafs
+
     with tempfile.TemporaryDirectory() as tmp:
-        pafs.copy_files(path, tmp, source_filesystem=fs)
+        pafs.copy_files(checkpoint, tmp, source_filesystem=filesystem or _local_fs())
         return vit.load_checkpoint(tmp)
 
 
@@ -173,9 +208,11 @@ def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric
                  searched: list[str], registry_model: str | None, lineage: dict[str, str]) -> None:
     """Everything after `Tuner.fit`: close the trial runs, plot the sweep, test, log and register the best trial.
 
-    Raises `VitpipeError` when every trial failed, naming the first failure.
+    The best trial is the one whose last checkpoint scored best (`score_trial`): `best_metric`, the test and
+    the registered model all describe those weights. Raises `VitpipeError` when every trial failed, naming the
+    first failure, or when no trial has a checkpoint to test.
     """
-    outcomes = trial_outcomes(result_grid, metric)
+    outcomes = trial_outcomes(result_grid, metric, ctx.storage_path, ctx.filesystem)
     finish_trial_runs(client, run_id, outcomes)
     statuses = {t["trial_id"]: t["status"] for t in outcomes}
     counts = {s: sum(v == s for v in statuses.values()) for s in ("completed", "early_stopped", "failed")}
@@ -193,11 +230,9 @@ def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric
     if best is None:
         buffer.add(metrics, 0)
         buffer.flush()
-        first = next((t for t in outcomes if t["status"] == "failed"), outcomes[0] if outcomes else None)
-        cause = error_line(first["error"]) if first else "no trials ran"
-        raise VitpipeError(f"finetune: all {len(outcomes)} trials failed; first ({first['trial_id'] if first else '-'}): {cause}")
+        raise _no_best_error(outcomes, metric)
 
-    model = load_trial_model(ctx.storage_path, ctx.filesystem, best["trial_id"])
+    model = load_trial_model(best["checkpoint"], ctx.filesystem)
     test_top1, matrix = None, None
     if int(ctx.data.manifest.get("counts", {}).get("test", 0)) > 0:
         test_top1, matrix = evaluate_split(model, ctx.data, "test", int(best["config"]["resolution"]))
@@ -212,11 +247,24 @@ def report_sweep(client: Any, run_id: str, ctx: Any, result_grid: Any, *, metric
     buffer.flush()
     tracking.log_params(client, run_id, {"best": best_config})
     tracking.log_dict_artifact(client, run_id, {"trial_id": best["trial_id"], "config": best_config,
-                                                metric: best["metric"], "test_top1": test_top1}, "best_config.json")
+                                                metric: best["metric"], "step": best["checkpoint_step"],
+                                                "test_top1": test_top1}, "best_config.json")
     tracking.set_tags(client, run_id, {"vitpipe.best_config": json.dumps(best_config), "vitpipe.best_trial": best["trial_id"]})
     _log_best_model(client, run_id, model)
     if registry_model:
         register_best_model(client, run_id, registry_model, lineage, sweep_score(metrics, metric, mode))
+
+
+def _no_best_error(outcomes: list[dict[str, Any]], metric: str) -> VitpipeError:
+    """Why no trial can be tested: every trial failed (the first failure named), or none has a finite
+    `metric` stored with a checkpoint."""
+    failed = [t for t in outcomes if t["status"] == "failed"]
+    if len(failed) < len(outcomes):
+        return VitpipeError(f"finetune: none of {len(outcomes)} trials has a finite {metric} stored with a "
+                            f"checkpoint to test ({len(failed)} failed)")
+    first = failed[0] if failed else None
+    cause = error_line(first["error"]) if first else "no trials ran"
+    return VitpipeError(f"finetune: all {len(outcomes)} trials failed; first ({first['trial_id'] if first else '-'}): {cause}")
 
 
 def _log_best_model(client: Any, run_id: str, model: Any) -> None:
@@ -251,6 +299,8 @@ __all__ = [
     "pick_best",
     "register_best_model",
     "report_sweep",
+    "score_trial",
     "sweep_score",
+    "trial_checkpoint",
     "trial_outcomes",
 ]
