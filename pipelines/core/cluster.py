@@ -3,6 +3,7 @@ the task options it takes only as remote args."""
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -36,15 +37,13 @@ def send_token_when_at_hand() -> None:
     (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`): Ray's own rule, which also reloads the
     config Ray cached at first use (`RAY_AUTH_MODE` set by hand after that is not seen). Its warning that
     token mode is on is kept off stderr, where vitpipe's errors are one line."""
-    import logging
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
-    from ray._private.authentication import authentication_token_setup as setup
-
-    ray_logger = logging.getLogger(setup.__name__)
+    ray_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = ray_logger.level
     ray_logger.setLevel(logging.ERROR)
     try:
-        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     finally:
         ray_logger.setLevel(level)
 
