@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -31,6 +30,7 @@ from pipelines.image.finetune_trial import latest_checkpoint
 from pipelines.image.labeled_rows import DataSpec, augment_config, load_rows, train_dataset
 from pipelines.training.starting_weights import fetch_starting_weights
 from tests.fault_proxy import FaultProxy
+from tests.run_files import run_dir
 from tests.transfer_fixtures import DIGITS_SIZE, STEPS, sweep_config
 
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def test_trials_start_from_the_pretrained_backbone(sweep, pretrained, tmp_path):
     # The lr-1e-7 trial barely moves its weights, so its last checkpoint still shows where trials start.
     still = next(r for r in sweep.children() if float(r.data.params["lr"]) == 1e-7)
     stage_run = sweep.client.get_run(sweep.result.run_id).info.run_name
-    trial_dir = Path(sweep.config.storage) / f"{stage_run}-work" / "trials" / still.data.tags["vitpipe.trial_id"]
+    trial_dir = run_dir(sweep.config, f"{stage_run}-work") / "trials" / still.data.tags["vitpipe.trial_id"]
     started = vit.load_checkpoint(latest_checkpoint(LocalFileSystem(), str(trial_dir))).state_dict()
     local = mlflow.artifacts.download_artifacts(f"runs:/{pretrained.run_id}/checkpoints/final", dst_path=str(tmp_path),
                                                 tracking_uri=pretrained.tracking_uri)

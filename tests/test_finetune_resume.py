@@ -21,6 +21,7 @@ from pyarrow.fs import LocalFileSystem
 from pipelines.image.configs import FinetuneConfig
 from pipelines.image.finetune_trial import checkpoint_step, latest_checkpoint
 from tests.process_output import result_json
+from tests.run_files import run_dir
 from tests.transfer_fixtures import sweep_config
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
                           search_space={"lr": 0.02, "steps": {"grid": [4, 24]}}, scheduler="fifo",
                           max_concurrent_trials=1, registry_model=None, experiment="finetune-resume")
     first, command, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address)
-    sweep_dir = tmp_path / "runs" / "killed"
+    sweep_dir = run_dir(config)
     try:
         _wait_for_the_second_trial(first, sweep_dir, log)
     finally:
@@ -81,7 +82,7 @@ def test_a_sweep_killed_midway_resumes_without_rerunning_finished_trials(digits_
         first.wait()
     before = _experiment_trials(sweep_dir)
     finished = [t for t, status in before.items() if status == "TERMINATED"]
-    trial_dirs = {t: tmp_path / "runs" / "killed-work" / "trials" / t for t in finished}
+    trial_dirs = {t: run_dir(config, "killed-work") / "trials" / t for t in finished}
     snapshots = {t: _snapshot(d) for t, d in trial_dirs.items()}
 
     with open(log, "ab") as out:
@@ -126,12 +127,12 @@ def test_a_trial_whose_train_run_ended_after_tune_last_saved_its_state_reports_i
     first, command, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address,
                                                   env={"TUNE_GLOBAL_CHECKPOINT_S": "3600"})
     try:
-        trials = tmp_path / "runs" / f"lagging-{scheduler}-work" / "trials"
+        trials = run_dir(config, f"lagging-{scheduler}-work") / "trials"
         ended = _wait_for_a_finished_train_run_and_the_next(first, trials, 4, log)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    assert _experiment_trials(tmp_path / "runs" / f"lagging-{scheduler}")[ended] != "TERMINATED"  # what makes this case
+    assert _experiment_trials(run_dir(config))[ended] != "TERMINATED"  # what makes this case
 
     with open(log, "ab") as out:
         second = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=500)
@@ -154,7 +155,7 @@ def test_a_sweep_stopped_by_ctrl_c_ends_killed_with_its_trials_says_so_in_one_li
                           max_concurrent_trials=1, registry_model="ctrl-c-digits", experiment="finetune-ctrl-c")
     driver, _, log = _start_vitpipe_finetune(config, tmp_path, ray_cluster.address)
     try:
-        _wait_for_the_second_trial(driver, tmp_path / "runs" / "ctrl-c", log)
+        _wait_for_the_second_trial(driver, run_dir(config), log)
         driver.send_signal(signal.SIGINT)
         assert driver.wait(timeout=120) == 128 + signal.SIGINT
     finally:

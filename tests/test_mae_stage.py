@@ -29,6 +29,7 @@ from pipelines.image.configs import FinetuneConfig, PretrainConfig
 from pipelines.image.finetune import run_finetune
 from pipelines.image.reconstruction import RECONSTRUCTION_FIGURE
 from vit.mae import DECODER_FILE, load_mae
+from tests.run_files import run_dir
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +189,7 @@ def test_a_fine_tune_of_an_mae_run_starts_from_its_encoder(mae_run, mae_finetune
     run = mae_run.client.get_run(result.run_id)
     assert run.data.tags["vitpipe.pretrain_run_id"] == mae_run.result.run_id
     # The weights every trial's workers load: staged once by the stage beside the trials.
-    staged = vit.load_checkpoint(Path(config.storage) / f"{run.info.run_name}-work" / "init").state_dict()
+    staged = vit.load_checkpoint(run_dir(config, f"{run.info.run_name}-work") / "init").state_dict()
     encoder = final_mae(mae_run.result.run_id, mae_run.config.tracking_uri, tmp_path).encoder.state_dict()
     assert staged.keys() == encoder.keys()
     for name in encoder:
@@ -226,7 +227,7 @@ def test_an_mae_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
     config = mae_config(unlabeled, tmp_path, f"sqlite:///{tmp_path}/mlflow.db", run_name="mae-kill")
-    snapshot = str(tmp_path / "runs" / "mae-kill" / "checkpoint_manager_snapshot.json")
+    snapshot = str(run_dir(config) / "checkpoint_manager_snapshot.json")
     make_hooks = pretrain.pretrain_hooks
     monkeypatch.setattr(pretrain, "pretrain_hooks", lambda c, m: KillOnce(make_hooks(c, m), KILL_AT_STEP, snapshot,
                                                                           str(tmp_path / "killed")))

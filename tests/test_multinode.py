@@ -61,7 +61,7 @@ def fractals(nodes_cluster, s3_server, corpus) -> str:  # noqa: F811
 
 
 def pretrain_config(data: str, s3_server, tracking_uri: str, name: str, **overrides) -> dict:
-    """A tiny two-worker pretrain run checkpointing to s3://multinode/runs/<name>."""
+    """A tiny two-worker pretrain run checkpointing to s3://multinode/runs/<name>/<experiment id>/<run name>."""
     config = dict(
         data=data, endpoint_url=s3_server.endpoint_url, model="ViT-Ti/16", model_overrides=TINY, num_workers=2,
         batch_size_per_worker=16, steps=8, warmup_steps=2, lr=2e-3, eval_interval=0, checkpoint_interval=0,

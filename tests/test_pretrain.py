@@ -30,6 +30,7 @@ from pipelines.image.pretrain import run_pretrain
 from pipelines.image.configs import PretrainConfig
 from pipelines.training.trainer import TrainingDivergedError
 from tests.process_output import result_json
+from tests.run_files import run_dir
 
 pytestmark = pytest.mark.slow
 
@@ -156,14 +157,15 @@ def test_credentials_never_reach_mlflow(trained, s3_server):
 
 
 def test_storage_keeps_the_last_checkpoints_and_the_best_model(trained, s3_server):
-    _, result, _ = trained
+    config, result, client = trained
     keys = [o["Key"] for page in s3_server.client().get_paginator("list_objects_v2").paginate(Bucket="pretrain-runs")
             for o in page.get("Contents", [])]
-    run_dir = f"runs/{Path(result.storage_path).name}/"
-    checkpoints = sorted({k[len(run_dir):].split("/")[0] for k in keys if k.startswith(run_dir + "checkpoint_0")})
+    experiment = client.get_experiment_by_name(config.experiment).experiment_id  # each experiment its own folder
+    folder = f"runs/{experiment}/{Path(result.storage_path).name}/"
+    checkpoints = sorted({k[len(folder):].split("/")[0] for k in keys if k.startswith(folder + "checkpoint_0")})
     assert checkpoints == ["checkpoint_00000016", "checkpoint_00000024"]
-    assert f"{run_dir}checkpoint_00000024/train_state.pt" in keys
-    assert f"{run_dir}best/model.safetensors" in keys
+    assert f"{folder}checkpoint_00000024/train_state.pt" in keys
+    assert f"{folder}best/model.safetensors" in keys
 
 
 def test_final_and_best_checkpoints_and_curve_are_logged(trained):
@@ -328,7 +330,7 @@ def test_killed_worker_is_restarted_and_training_resumes_from_checkpoint(corpus,
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(result=run_pretrain(config)), daemon=True)
     thread.start()
-    _wait_for_checkpoint(tmp_path / "runs" / "worker-kill", "checkpoint_00000004", thread.is_alive)
+    _wait_for_checkpoint(run_dir(config), "checkpoint_00000004", thread.is_alive)
     workers = list_actors(address=ray_cluster.dashboard_url,
                           filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     assert len(workers) == 2
@@ -363,7 +365,7 @@ def test_rerun_after_the_driver_is_killed_resumes_from_its_last_checkpoint(corpu
 
     first = _stage_process(config_file, ray_cluster.address, log)
     try:
-        _wait_for_checkpoint(tmp_path / "runs" / "driver-kill", "checkpoint_00000004", lambda: first.poll() is None)
+        _wait_for_checkpoint(run_dir(config), "checkpoint_00000004", lambda: first.poll() is None)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver and anything it forked, mid-run
         first.wait()
@@ -393,9 +395,8 @@ def test_non_finite_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(corp
     config = base_config(corpus, tmp_path, run_name="diverge", lr=1e30, warmup_steps=0, checkpoint_interval=1)
     with pytest.raises(TrainingDivergedError, match=r"non-finite at step 2;.*checkpoint_00000001"):
         run_pretrain(config)
-    run_dir = tmp_path / "runs" / "diverge"
-    assert (run_dir / "checkpoint_00000001" / "model.safetensors").exists()
-    assert not (run_dir / "checkpoint_00000002").exists()
+    assert (run_dir(config) / "checkpoint_00000001" / "model.safetensors").exists()
+    assert not (run_dir(config) / "checkpoint_00000002").exists()
     client = MlflowClient(config.tracking_uri)
     run = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])[0]
     assert run.info.status == "FAILED"

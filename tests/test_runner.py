@@ -247,7 +247,7 @@ def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretrai
         deadline = time.monotonic() + 300
         # Recorded by Ray Train (in its snapshot), not merely being written.
         while not any("checkpoint_00000004" in f.read_text()
-                      for f in (tmp_path / "work" / "runs").glob("*/checkpoint_manager_snapshot.json")):
+                      for f in (tmp_path / "work" / "runs").glob("*/*/checkpoint_manager_snapshot.json")):
             assert first.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "pretraining wrote no checkpoint in time"
             time.sleep(0.5)

@@ -6,7 +6,9 @@ untouched, an interrupted one is reopened and resumed, anything else is a new
 run. The run ends FINISHED when the stage's body returns, FAILED when it
 raises, and KILLED when the process is stopped (`pipelines.core.stopping`).
 
-A run's name also names its checkpoints and Tune state in the storage. A
+A run's name also names its checkpoints and Tune state in its experiment's
+folder of the storage (`<storage>/<experiment id>/<name>`: the default name is
+the config's hash, and the same config may run in several experiments). A
 named run (`run_name` set) whose identity changed would therefore restore the
 old config's checkpoints into the new one: that is refused, in one line naming
 the changed fields (each run records its identity in the tag `vitpipe.identity`);
@@ -59,6 +61,7 @@ class StageRun:
     name: str
     digest: str
     previous: str
+    experiment_id: str  # its files' folder in the storage (`pipelines.training.trainer.storage_location`)
 
     @property
     def finished(self) -> bool:
@@ -104,7 +107,7 @@ def stage_run(
     run_id, previous = run_open.start_stage_run(
         client, config.experiment, stage, digest, run_name=name, parent_run_id=config.parent_run_id, tags=all_tags
     )
-    run = StageRun(client, stage, run_id, name, digest, previous)
+    run = StageRun(client, stage, run_id, name, digest, previous, client.get_run(run_id).info.experiment_id)
     if run.finished:
         logger.info("%s: run %s already finished with this config; not running again", stage, run_id)
         yield run

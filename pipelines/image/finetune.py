@@ -222,7 +222,7 @@ def run_finetune(config: FinetuneConfig, *, ray_address: str | None = None) -> F
             return _reused(client, config, run.run_id, tags)
         run.log_config({**config.model_dump(mode="json"), "batch_size": batch_size,
                         "pretrain_resolution": start.model.config.image_size})
-        storage_path, filesystem = storage_location(config)
+        storage_path, filesystem = storage_location(config, run.experiment_id)
         ctx = _sweep_context(config, run, tracking_uri, data=data, in_memory=in_memory, batch_size=batch_size,
                              init_path=stage_init(start.model, storage_path, filesystem, run.name),
                              location=(storage_path, filesystem), per_worker=per_worker)
@@ -275,7 +275,7 @@ def _sweep_context(config: FinetuneConfig, run: StageRun, tracking_uri: str, *, 
         filesystem=filesystem, workers=Workers(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                                resources_per_worker=per_worker),
         max_failures=config.max_failures, keep_checkpoints=config.keep_checkpoints, tracking_uri=tracking_uri,
-        experiment_id=run.client.get_run(run.run_id).info.experiment_id, parent_run_id=run.run_id,
+        experiment_id=run.experiment_id, parent_run_id=run.run_id,
         segment_steps=(config.perturbation_interval or config.eval_interval) if config.scheduler == "pbt" else None,
     )
 

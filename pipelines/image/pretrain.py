@@ -247,12 +247,13 @@ def run_pretrain(config: PretrainConfig, *, ray_address: str | None = None) -> P
                                  train_rows=int(manifest.get("counts", {}).get("train", 0)) or None)
         run.log_config({**config.model_dump(mode="json"), "model_overrides": overrides,
                         "grad_accum_steps": config.grad_accum_steps})
+        location = storage_location(config, run.experiment_id)
         trainer = build_trainer(
-            settings.model_dump(mode="json"), run_name=run.name, location=storage_location(config), workers=config,
+            settings.model_dump(mode="json"), run_name=run.name, location=location, workers=config,
             max_failures=config.max_failures, keep=config.keep_last, datasets=patch_datasets(config, settings),
             hooks=pretrain_hooks(config, manifest),
         )
-        result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE)
+        result = fit_trainer(trainer, config, client, run.run_id, run.name, stage=STAGE, location=location)
         run.set_tags({TAG_MODEL_URI: log_outputs(client, run.run_id, result) or ""})
         with result.checkpoint.as_directory() as final_dir:
             if config.objective == "mae":

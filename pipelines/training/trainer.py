@@ -28,9 +28,15 @@ class TrainingDivergedError(VitpipeError):
     """The loss or gradients became NaN/inf; the last good checkpoint is kept."""
 
 
-def storage_location(config: Any) -> tuple[str, Any]:
-    """`(storage_path, storage_filesystem)` for Ray Train's RunConfig, from `config.storage` and `endpoint_url`."""
-    return storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
+def storage_location(config: Any, experiment_id: str) -> tuple[str, Any]:
+    """`(storage_path, storage_filesystem)` for Ray Train's RunConfig: the folder of MLflow experiment
+    `experiment_id` in `config.storage` (with `endpoint_url`), where its runs keep their files by run name.
+
+    A default run name is the config's hash, the same in every experiment: one folder for all of them made
+    the same config in a second experiment resume the first one's checkpoints (and twins write into one).
+    """
+    path, filesystem = storage.ray_storage(config.storage, endpoint_url=config.endpoint_url)
+    return f"{path}/{experiment_id}", filesystem
 
 
 def stage_init(model: Any, storage_path: str, filesystem: Any, run_name: str) -> str:
@@ -127,14 +133,15 @@ def clear_diverged(storage_path: str, filesystem: Any, run_name: str) -> None:
         fs.delete_file(path)
 
 
-def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: str, *, stage: str) -> Any:
+def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: str, *, stage: str,
+                location: tuple[str, Any]) -> Any:
     """`trainer.fit()` with the stage's error policy; returns Ray Train's Result.
 
     Worker errors become one `VitpipeError` line; a run whose loss went NaN/inf
     raises `TrainingDivergedError` naming the last good checkpoint. `config`
-    needs `storage`, `endpoint_url` and `max_failures`.
+    needs `max_failures`; `location` is the trainer's `(storage_path, filesystem)`.
     """
-    clear_diverged(*storage_location(config), run_name)
+    clear_diverged(*location, run_name)
     try:
         result = trainer.fit()
     except Exception as err:  # Ray wraps worker errors; give the user one line

@@ -46,7 +46,7 @@ from pipelines.core.registry import TAG_MODEL_URI, TAG_REGISTERED_VERSION, Score
 from pipelines.core.uris import resolve_tracking_uri, strip_userinfo
 from pipelines.core.cluster import connect
 from pipelines.core.stage_config import load_stage_config
-from pipelines.core.stage_run import finished_run_id, stage_run
+from pipelines.core.stage_run import StageRun, finished_run_id, stage_run
 from pipelines.training.recipe import TRAIN_NOT_IDENTITY, pinned_identity
 from pipelines.training.starting_weights import Origin, origin_identity, starting_origin
 from pipelines.training.trainer import build_trainer, fit_trainer, log_outputs, stage_init, storage_location
@@ -206,21 +206,21 @@ def _run_tags(config: VideoTrainConfig, manifest: dict[str, Any], backbone: Orig
     }
 
 
-def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialModel, client: Any, run_id: str,
-         run_name: str, tracking_uri: str) -> Any:
+def _fit(config: VideoTrainConfig, manifest: dict[str, Any], initial: InitialModel, run: StageRun,
+         tracking_uri: str) -> Any:
     """Train the staged VTN on Ray Train with the shared worker loop; returns the trainer's result."""
     has_val = (split_count(manifest, "val") or 0) > 0
-    storage_path, filesystem = storage_location(config)
+    location = storage_location(config, run.experiment_id)
     # Workers read the starting VTN from the run's storage; a resumed execution keeps the one it staged first.
-    init_path = stage_init(initial.model, storage_path, filesystem, run_name)
-    settings = loop_settings(config, init_path, has_val, run_id, tracking_uri, train_clips(config, manifest))
+    init_path = stage_init(initial.model, *location, run.name)
+    settings = loop_settings(config, init_path, has_val, run.run_id, tracking_uri, train_clips(config, manifest))
     trainer = build_trainer(
-        settings.model_dump(mode="json"), run_name=run_name, location=(storage_path, filesystem), workers=config,
+        settings.model_dump(mode="json"), run_name=run.name, location=location, workers=config,
         max_failures=config.max_failures, keep=config.keep_last,
         hooks=FeatureHooks() if is_features(manifest) else ClipHooks(),
         datasets=clip_datasets(config, manifest, initial.frame_size, has_val),
     )
-    return fit_trainer(trainer, config, client, run_id, run_name, stage=STAGE)
+    return fit_trainer(trainer, config, run.client, run.run_id, run.name, stage=STAGE, location=location)
 
 
 def _reused(client: Any, config: VideoTrainConfig, run_id: str, tags: dict[str, str]) -> VideoTrainResult:
@@ -263,7 +263,7 @@ def run_video_train(config: VideoTrainConfig, *, ray_address: str | None = None)
             return _reused(client, config, run.run_id, tags)
         run.log_config({**config.model_dump(mode="json"), "frame_size": initial.frame_size,
                         "grad_accum_steps": config.grad_accum_steps, "vtn_config": initial.model.config.to_dict()})
-        result = _fit(config, manifest, initial, client, run.run_id, run.name, tracking_uri)
+        result = _fit(config, manifest, initial, run, tracking_uri)
         with result.checkpoint.as_directory() as final_dir:
             model = vit.load_checkpoint(final_dir)
         log_evaluation(client, run.run_id, model, config, manifest, initial.frame_size, classes)
