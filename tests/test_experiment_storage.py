@@ -1,5 +1,5 @@
 """Each MLflow experiment's stage runs keep their own checkpoints: the same config in a second experiment is a
-run of its own, while a run in one experiment still resumes from, and is reused with, its own files.
+run of its own. (Resuming and reuse within one experiment, over the same layout: tests/test_pretrain.py.)
 
 Through the pretrain stage's own code path on the session's Ray cluster, a real SQLite tracking store and
 local storage shared by the experiments (3 training steps of a tiny ViT).
@@ -65,23 +65,3 @@ def test_each_experiment_keeps_its_own_checkpoints_under_its_id(two_experiments)
         assert f"checkpoint_{STEPS:08d}" in {p.name for p in Path(result.storage_path).iterdir()}
     assert first.storage_path != second.storage_path
     assert _files(Path(first.storage_path)) == files_of_a  # b wrote nothing into a's checkpoints
-
-
-def test_a_named_run_in_a_second_experiment_trains_its_own_steps(two_experiments, tiny_dataset):
-    tmp, client, *_ = two_experiments
-    first = run_pretrain(config(tiny_dataset, tmp, "a", run_name="nightly"))
-    second = run_pretrain(config(tiny_dataset, tmp, "b", run_name="nightly"))
-    assert client.get_run(second.run_id).info.run_name == "nightly" and not second.resumed
-    assert _steps(client, second.run_id) == list(range(1, STEPS + 1))
-    assert Path(first.storage_path).name == Path(second.storage_path).name == "nightly"
-    assert first.storage_path != second.storage_path
-
-
-def test_an_interrupted_run_resumes_from_its_own_experiments_checkpoints(two_experiments, tiny_dataset):
-    tmp, client, first, *_ = two_experiments
-    client.set_terminated(first.run_id, status="FAILED")  # as a stopped execution leaves it
-    again = run_pretrain(config(tiny_dataset, tmp, "a"))
-    assert again.run_id == first.run_id and again.resumed and again.storage_path == first.storage_path
-    assert client.get_run(first.run_id).data.tags["vitpipe.resumed_from_step"] == str(STEPS)
-    assert _steps(client, first.run_id) == list(range(1, STEPS + 1))  # nothing trained twice
-    assert run_pretrain(config(tiny_dataset, tmp, "a")).reused  # and, finished again, it is reused

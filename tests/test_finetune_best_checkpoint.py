@@ -107,7 +107,7 @@ def test_an_asha_sweep_reports_the_metric_of_the_checkpoint_it_tests_and_logs(di
     logged = vit.load_checkpoint(mlflow.artifacts.download_artifacts(
         f"runs:/{result.run_id}/checkpoints/best", dst_path=str(tmp_path / "best"), tracking_uri=pretrained.tracking_uri,
     )).state_dict()
-    [trial_dir] = Path(tmp_path, "runs").glob(f"*-work/trials/{best_trial}")
+    [trial_dir] = Path(tmp_path, "runs").glob(f"*/*-work/trials/{best_trial}")  # <experiment id>/<run>-work
     [tested] = [d for d in trial_dir.glob("checkpoint_*") if d.is_dir()
                 and all(torch.equal(t, logged[k]) for k, t in vit.load_checkpoint(str(d)).state_dict().items())]
     report = json.loads((tested / POSITION_FILE).read_text())["report"]
