@@ -22,6 +22,8 @@ Three steps, each reading no more than it needs:
   a checkpoint directory it reads exactly two files, `config.json` and
   `model.safetensors` (`vit.load_checkpoint`): nothing found there is unpickled
   or run, whatever else the folder holds.
+
+Runs and registered versions are looked up in `pipelines.training.tracked_weights`.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import vit
-from pipelines.core.registry import CHECKPOINT_FILES, MODEL_CHECKPOINT, download_checkpoint
+from pipelines.core.registry import CHECKPOINT_FILES
 from pipelines.core.storage import open_store
 from pipelines.core.uris import is_s3_uri, strip_userinfo
+from pipelines.training.tracked_weights import check_run, registered_version, registry_files, run_and_artifact, run_files
 from pipelines.training.weights_digest import check_unchanged, content_digest, foreign_path
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
-DEFAULT_RUN_ARTIFACT = "checkpoints/final"
 # Fields that decide the weights' shapes; image_size and num_classes are what transfer changes.
 ARCH_FIELDS = (
     "patch_size", "in_channels", "embed_dim", "depth", "num_heads", "mlp_dim", "pool",
@@ -70,10 +72,10 @@ def starting_origin(init: str | None, tracking_uri: str, endpoint_url: str | Non
     kind = init_kind(init)
     run_id = version = None
     if kind == "run":
-        run_id = _run_and_artifact(str(init))[0]
-        _check_run(run_id, tracking_uri)
+        run_id = run_and_artifact(str(init))[0]
+        check_run(run_id, tracking_uri)
     elif kind == "registry":
-        found = _version(str(init), tracking_uri)[0]
+        found = registered_version(str(init), tracking_uri)[0]
         run_id, version = found.run_id, f"{found.name}/{found.version}"
     content = content_digest(kind, str(init), endpoint_url)
     return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id, content, version)
@@ -151,16 +153,6 @@ def check_architecture(model: Any, model_name: str, overrides: dict[str, Any], s
         raise ValueError(f"init {source}: checkpoint architecture does not match model {model_name!r}: {'; '.join(diffs)}")
 
 
-def _client(tracking_uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri)
-
-
-def _not_found(err: Exception) -> bool:
-    return getattr(err, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or "not found" in str(err).lower()
-
-
 def _load_files(local: Path, source: str, read: Callable[[Path], Any] = vit.load_checkpoint) -> Any:
     """`read` (`vit.load_checkpoint`) of downloaded files, any failure (not safetensors, wrong config) as one line."""
     try:
@@ -168,77 +160,6 @@ def _load_files(local: Path, source: str, read: Callable[[Path], Any] = vit.load
     except Exception as err:  # safetensors' own error type, torch's RuntimeError on a wrong shape, ValueError
         cause = " ".join(str(err).replace(str(local), "").split())[:200] or type(err).__name__  # no temp path
         raise ValueError(f"init {source}: not a loadable vit checkpoint (config.json + model.safetensors): {cause}") from None
-
-
-def _run_and_artifact(init: str) -> tuple[str, str]:
-    """`runs:/<id>[/path]` or a bare run id as (run id, artifact path)."""
-    if init.startswith("runs:/"):
-        run_id, _, artifact = init.removeprefix("runs:/").partition("/")
-    else:
-        run_id, artifact = init, ""
-    return run_id, artifact.strip("/") or DEFAULT_RUN_ARTIFACT
-
-
-def _check_run(run_id: str, tracking_uri: str) -> None:
-    import mlflow
-
-    try:
-        _client(tracking_uri).get_run(run_id)
-    except mlflow.exceptions.MlflowException as err:
-        if _not_found(err):
-            raise ValueError(f"init: MLflow run {run_id!r} not found at {strip_userinfo(tracking_uri)}") from None
-        raise
-
-
-def _run_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
-    run_id, artifact = _run_and_artifact(init)
-    uri = f"runs:/{run_id}/{artifact}"
-    try:
-        return download_checkpoint(uri, tmp, tracking_uri, files), uri
-    except ValueError as err:
-        raise ValueError(f"init: {err}") from None
-
-
-def _registered_version(client: Any, name_version: str) -> Any:
-    """The model version `name/<number>`, `name/latest` or `name@alias` names."""
-    if "@" in name_version:
-        name, alias = name_version.split("@", 1)
-        return client.get_model_version_by_alias(name, alias)
-    name, _, number = name_version.rpartition("/")
-    if name and number == "latest":
-        versions = client.search_model_versions(f"name = '{name}'")
-        if not versions:
-            raise ValueError(f"init: registered model {name!r} has no versions")
-        return max(versions, key=lambda v: int(v.version))
-    if not (name and number.isdigit()):
-        raise ValueError(f"init models:/{name_version}: expected models:/<name>/<version> or models:/<name>@<alias>")
-    return client.get_model_version(name, number)
-
-
-def _version(init: str, tracking_uri: str) -> tuple[Any, str]:
-    """The registered version `init` (`models:/...`) names, and where its files are."""
-    import mlflow
-
-    client = _client(tracking_uri)
-    try:
-        version = _registered_version(client, init.removeprefix("models:/"))
-        return version, client.get_model_version_download_uri(version.name, version.version)
-    except mlflow.exceptions.MlflowException as err:
-        if _not_found(err):
-            raise ValueError(f"init: registered model {init!r} not found at {strip_userinfo(tracking_uri)}") from None
-        raise
-
-
-def _registry_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
-    """The registered version's `artifacts/checkpoint` files; MLflow's loaders (and pickle) are not used."""
-    version, root = _version(init, tracking_uri)
-    try:
-        return download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri, files), init
-    except ValueError:
-        raise ValueError(
-            f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
-            "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
-        ) from None
 
 
 def _storage_files(init: str, tmp: str, endpoint_url: str | None, files: tuple[str, ...]) -> tuple[Path, str]:
@@ -258,9 +179,9 @@ def _checkpoint_files(origin: Origin, init: str, tmp: str, tracking_uri: str, en
     name an error gives them. A registered version is the one `origin` found, though its alias moved since:
     the weights are those of the run the stage's identity names."""
     if origin.kind == "run":
-        return _run_files(init, tmp, tracking_uri, files)
+        return run_files(init, tmp, tracking_uri, files)
     if origin.kind == "registry":
-        return _registry_files(f"models:/{origin.version}" if origin.version else init, tmp, tracking_uri, files)
+        return registry_files(f"models:/{origin.version}" if origin.version else init, tmp, tracking_uri, files)
     return _storage_files(init, tmp, endpoint_url, files)
 
 

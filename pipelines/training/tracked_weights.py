@@ -1,0 +1,104 @@
+"""Starting weights that MLflow keeps: a run's checkpoint folder or a registered model version.
+
+`pipelines.training.starting_weights` classifies an `init` and loads the weights;
+this module finds them in MLflow: the run or version an `init` names (metadata
+only) and the two checkpoint files (`config.json`, `model.safetensors`) behind it,
+downloaded by name. Every refusal is one ValueError line naming the `init`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipelines.core.registry import MODEL_CHECKPOINT, download_checkpoint
+from pipelines.core.uris import strip_userinfo
+
+DEFAULT_RUN_ARTIFACT = "checkpoints/final"
+
+
+def _client(tracking_uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
+def _not_found(err: Exception) -> bool:
+    return getattr(err, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or "not found" in str(err).lower()
+
+
+def run_and_artifact(init: str) -> tuple[str, str]:
+    """`runs:/<id>[/path]` or a bare run id as (run id, artifact path)."""
+    if init.startswith("runs:/"):
+        run_id, _, artifact = init.removeprefix("runs:/").partition("/")
+    else:
+        run_id, artifact = init, ""
+    return run_id, artifact.strip("/") or DEFAULT_RUN_ARTIFACT
+
+
+def check_run(run_id: str, tracking_uri: str) -> None:
+    """A one-line ValueError unless MLflow at `tracking_uri` knows run `run_id`."""
+    import mlflow
+
+    try:
+        _client(tracking_uri).get_run(run_id)
+    except mlflow.exceptions.MlflowException as err:
+        if _not_found(err):
+            raise ValueError(f"init: MLflow run {run_id!r} not found at {strip_userinfo(tracking_uri)}") from None
+        raise
+
+
+def run_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
+    """The checkpoint `files` of the run folder `init` names, downloaded into `tmp`, and the URI they came from."""
+    run_id, artifact = run_and_artifact(init)
+    uri = f"runs:/{run_id}/{artifact}"
+    try:
+        return download_checkpoint(uri, tmp, tracking_uri, files), uri
+    except ValueError as err:
+        raise ValueError(f"init: {err}") from None
+
+
+def _registered_version(client: Any, name_version: str) -> Any:
+    """The model version `name/<number>`, `name/latest` or `name@alias` names."""
+    if "@" in name_version:
+        name, alias = name_version.split("@", 1)
+        return client.get_model_version_by_alias(name, alias)
+    name, _, number = name_version.rpartition("/")
+    if name and number == "latest":
+        versions = client.search_model_versions(f"name = '{name}'")
+        if not versions:
+            raise ValueError(f"init: registered model {name!r} has no versions")
+        return max(versions, key=lambda v: int(v.version))
+    if not (name and number.isdigit()):
+        raise ValueError(f"init models:/{name_version}: expected models:/<name>/<version> or models:/<name>@<alias>")
+    return client.get_model_version(name, number)
+
+
+def registered_version(init: str, tracking_uri: str) -> tuple[Any, str]:
+    """The registered version `init` (`models:/...`) names, and where its files are."""
+    import mlflow
+
+    client = _client(tracking_uri)
+    try:
+        version = _registered_version(client, init.removeprefix("models:/"))
+        return version, client.get_model_version_download_uri(version.name, version.version)
+    except mlflow.exceptions.MlflowException as err:
+        if _not_found(err):
+            raise ValueError(f"init: registered model {init!r} not found at {strip_userinfo(tracking_uri)}") from None
+        raise
+
+
+def registry_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
+    """The registered version's `artifacts/checkpoint` files; MLflow's loaders (and pickle) are not used."""
+    version, root = registered_version(init, tracking_uri)
+    try:
+        return download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri, files), init
+    except ValueError:
+        raise ValueError(
+            f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
+            "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
+        ) from None
+
+
+
+__all__ = ["DEFAULT_RUN_ARTIFACT", "check_run", "registered_version", "registry_files", "run_and_artifact", "run_files"]
