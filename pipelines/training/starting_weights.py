@@ -7,6 +7,8 @@
   `checkpoints/final` (what the pretrain stage logs);
 * a registered model version: `models:/<name>/<version>`, `models:/<name>/latest`
   or `models:/<name>@<alias>` (e.g. `@champion`);
+* a logged model, `models:/<model id>`: the `model_uri` a fine-tune hands on (a pipeline's evaluate or
+  embed stage starts from it);
 * a project checkpoint directory (`model.safetensors` + `config.json`), local or
   `s3://bucket/prefix` — e.g. a Ray Train checkpoint of the pretrain stage;
 * a published timm or Hugging Face ViT weights file or directory on local disk,
@@ -75,8 +77,8 @@ def starting_origin(init: str | None, tracking_uri: str, endpoint_url: str | Non
         run_id = run_and_artifact(str(init))[0]
         check_run(run_id, tracking_uri)
     elif kind == "registry":
-        found = registered_version(str(init), tracking_uri)[0]
-        run_id, version = found.run_id, f"{found.name}/{found.version}"
+        found = registered_version(str(init), tracking_uri)
+        run_id, version = found.run_id, found.pin
     content = content_digest(kind, str(init), endpoint_url)
     return Origin(kind, "none" if kind == "scratch" else strip_userinfo(str(init)), run_id, content, version)
 

@@ -8,13 +8,26 @@ downloaded by name. Every refusal is one ValueError line naming the `init`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipelines.core.registry import MODEL_CHECKPOINT, download_checkpoint
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"
+# MLflow 3's logged-model ids: `models:/m-<hex>` is what a stage's `vitpipe.model_uri` tag (a fine-tune's
+# `model_uri`) holds, and what a pipeline hands an evaluate or embed stage as its `init`.
+_LOGGED_MODEL = re.compile(r"^m-[0-9a-f]{32}$")
+
+
+class Found(NamedTuple):
+    """A model reference (`models:/...`) looked up: the run that logged it, the registered version to pin
+    (`name/N`; None for a logged model, which never changes), and where its files are."""
+
+    run_id: str | None
+    pin: str | None
+    root: str
 
 
 def _client(tracking_uri: str) -> Any:
@@ -74,31 +87,39 @@ def _registered_version(client: Any, name_version: str) -> Any:
     return client.get_model_version(name, number)
 
 
-def registered_version(init: str, tracking_uri: str) -> tuple[Any, str]:
-    """The registered version `init` (`models:/...`) names, and where its files are."""
+def registered_version(init: str, tracking_uri: str) -> Found:
+    """The model `init` (`models:/...`) names, a registered version or a logged model, and where its files are."""
     import mlflow
 
     client = _client(tracking_uri)
+    reference = init.removeprefix("models:/")
+    what = "logged model" if _LOGGED_MODEL.match(reference) else "registered model"
     try:
-        version = _registered_version(client, init.removeprefix("models:/"))
-        return version, client.get_model_version_download_uri(version.name, version.version)
+        if what == "logged model":
+            logged = client.get_logged_model(reference)
+            return Found(logged.source_run_id, None, logged.artifact_location)
+        version = _registered_version(client, reference)
+        return Found(version.run_id, f"{version.name}/{version.version}",
+                     client.get_model_version_download_uri(version.name, version.version))
     except mlflow.exceptions.MlflowException as err:
         if _not_found(err):
-            raise ValueError(f"init: registered model {init!r} not found at {strip_userinfo(tracking_uri)}") from None
+            raise ValueError(f"init: {what} {init!r} not found at {strip_userinfo(tracking_uri)}") from None
         raise
 
 
 def registry_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
-    """The registered version's `artifacts/checkpoint` files; MLflow's loaders (and pickle) are not used."""
-    version, root = registered_version(init, tracking_uri)
+    """The registered version's or logged model's `artifacts/checkpoint` files; MLflow's loaders (and pickle)
+    are not used."""
+    found = registered_version(init, tracking_uri)
     try:
-        return download_checkpoint(f"{root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri, files), init
+        return download_checkpoint(f"{found.root.rstrip('/')}/{MODEL_CHECKPOINT}", tmp, tracking_uri, files), init
     except ValueError:
+        what = f"version {found.pin.rpartition('/')[2]}" if found.pin else "the logged model"
         raise ValueError(
-            f"init {init}: version {version.version} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
+            f"init {init}: {what} holds no {MODEL_CHECKPOINT}/model.safetensors; vitpipe "
             "loads only safetensors weights, never a pickled model (register it again with this vitpipe)"
         ) from None
 
 
-
-__all__ = ["DEFAULT_RUN_ARTIFACT", "check_run", "registered_version", "registry_files", "run_and_artifact", "run_files"]
+__all__ = ["DEFAULT_RUN_ARTIFACT", "Found", "check_run", "registered_version", "registry_files", "run_and_artifact",
+           "run_files"]
