@@ -16,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import vit
-from pipelines.core import registry, run_open
+from pipelines.core import registry, run_open, tracking
 from pipelines.training.starting_weights import fetch_starting_weights, starting_origin
 
 TINY = dict(image_size=16, patch_size=4, num_classes=3, depth=1, embed_dim=16, num_heads=2, mlp_dim=32)
@@ -56,3 +56,22 @@ def test_an_unknown_logged_model_is_one_line(client):
     with pytest.raises(ValueError) as err:
         starting_origin(uri, client.tracking_uri)
     assert str(err.value) == f"init: logged model {uri!r} not found at {client.tracking_uri}"
+
+
+def test_a_fine_tune_run_id_names_the_checkpoints_it_logged(client, tmp_path):
+    """A fine-tune logs its best trial at checkpoints/best, not at the default checkpoints/final."""
+    run_id = _run(client, "finetune")
+    tracking.log_checkpoint_dir(client, run_id, _checkpoint(tmp_path / "ckpt"), "checkpoints/best")
+    client.set_terminated(run_id, "FINISHED")
+    with pytest.raises(ValueError) as err:
+        _fetch(run_id, client)
+    assert str(err.value) == (f"init {run_id}: run {run_id} (finetune, FINISHED) has no folder checkpoints/final; "
+                              f"its checkpoints: runs:/{run_id}/checkpoints/best")
+
+
+def test_a_run_still_running_without_a_checkpoint_says_so(client):
+    run_id = _run(client, "pretrain")
+    with pytest.raises(ValueError) as err:
+        _fetch(f"runs:/{run_id}/checkpoints/final", client)
+    assert str(err.value) == (f"init runs:/{run_id}/checkpoints/final: run {run_id} (pretrain, RUNNING) has no "
+                              "folder checkpoints/final; it logged no checkpoints")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipelines.core.registry import MODEL_CHECKPOINT, download_checkpoint
+from pipelines.core.tracking import TAG_STAGE
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"
@@ -68,7 +69,32 @@ def run_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) ->
     try:
         return download_checkpoint(uri, tmp, tracking_uri, files), uri
     except ValueError as err:
-        raise ValueError(f"init: {err}") from None
+        client = _client(tracking_uri)
+        if not _nothing_at(client, run_id, artifact):
+            raise ValueError(f"init: {err}") from None
+        # Nothing there: a run of another stage, or one that has not logged its checkpoint (yet).
+        raise ValueError(f"init {init}: {_run_holds(client, run_id, artifact)}") from None
+
+
+def _nothing_at(client: Any, run_id: str, artifact: str) -> bool:
+    """Whether run `run_id` logged nothing at `artifact` (False when that cannot be told: the error at hand
+    says more)."""
+    import mlflow
+
+    try:
+        return not client.list_artifacts(run_id, artifact)
+    except (mlflow.exceptions.MlflowException, OSError):
+        return False
+
+
+def _run_holds(client: Any, run_id: str, artifact: str) -> str:
+    """What run `run_id` is and which checkpoint folders it logged, for an `artifact` path where it logged
+    nothing."""
+    run = client.get_run(run_id)
+    stage = run.data.tags.get(TAG_STAGE, "not a vitpipe stage")
+    folders = [f"runs:/{run_id}/{entry.path}" for entry in client.list_artifacts(run_id, "checkpoints") if entry.is_dir]
+    holds = f"its checkpoints: {', '.join(folders)}" if folders else "it logged no checkpoints"
+    return f"run {run_id} ({stage}, {run.info.status}) has no folder {artifact}; {holds}"
 
 
 def _registered_version(client: Any, name_version: str) -> Any:
