@@ -75,3 +75,13 @@ def test_a_run_still_running_without_a_checkpoint_says_so(client):
         _fetch(f"runs:/{run_id}/checkpoints/final", client)
     assert str(err.value) == (f"init runs:/{run_id}/checkpoints/final: run {run_id} (pretrain, RUNNING) has no "
                               "folder checkpoints/final; it logged no checkpoints")
+
+
+def test_a_deleted_run_is_refused_before_its_weights_are_read(client, tmp_path):
+    run_id = _run(client, "pretrain")
+    tracking.log_checkpoint_dir(client, run_id, _checkpoint(tmp_path / "ckpt"), "checkpoints/final")
+    client.set_terminated(run_id, "FINISHED")
+    client.delete_run(run_id)
+    with pytest.raises(ValueError) as err:
+        starting_origin(run_id, client.tracking_uri)
+    assert str(err.value) == f"init: MLflow run {run_id!r} is deleted (restore it, or name another run)"

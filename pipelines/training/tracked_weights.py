@@ -51,15 +51,18 @@ def run_and_artifact(init: str) -> tuple[str, str]:
 
 
 def check_run(run_id: str, tracking_uri: str) -> None:
-    """A one-line ValueError unless MLflow at `tracking_uri` knows run `run_id`."""
+    """A one-line ValueError unless MLflow at `tracking_uri` knows run `run_id`, and it is not deleted."""
     import mlflow
 
     try:
-        _client(tracking_uri).get_run(run_id)
+        run = _client(tracking_uri).get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
         if _not_found(err):
             raise ValueError(f"init: MLflow run {run_id!r} not found at {strip_userinfo(tracking_uri)}") from None
         raise
+    # A deleted run's files go at the next `mlflow gc`, and with them what a run started from it names.
+    if run.info.lifecycle_stage == "deleted":
+        raise ValueError(f"init: MLflow run {run_id!r} is deleted (restore it, or name another run)")
 
 
 def run_files(init: str, tmp: str, tracking_uri: str, files: tuple[str, ...]) -> tuple[Path, str]:
