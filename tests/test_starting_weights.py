@@ -153,3 +153,10 @@ def test_an_s3_checkpoint_overwritten_after_its_origin_was_taken_is_refused_when
     with pytest.raises(ValueError, match=r"changed while they were read"):
         fetch_starting_weights(uri, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING,
                                endpoint_url=endpoint, origin=origin)
+
+
+@pytest.mark.parametrize("init", ["runs:/", "runs://checkpoints/final"])
+def test_a_runs_uri_without_a_run_id_is_one_line_before_mlflow_is_asked(init):
+    with pytest.raises(ValueError) as err:
+        starting_origin(init, NO_TRACKING)
+    assert str(err.value) == f"init {init}: expected runs:/<run id>/<artifact path>"

@@ -47,6 +47,8 @@ def run_and_artifact(init: str) -> tuple[str, str]:
         run_id, _, artifact = init.removeprefix("runs:/").partition("/")
     else:
         run_id, artifact = init, ""
+    if not run_id:  # MLflow would answer with its own error, and only once asked
+        raise ValueError(f"init {init}: expected runs:/<run id>/<artifact path>")
     return run_id, artifact.strip("/") or DEFAULT_RUN_ARTIFACT
 
 
