@@ -160,3 +160,41 @@ def test_a_runs_uri_without_a_run_id_is_one_line_before_mlflow_is_asked(init):
     with pytest.raises(ValueError) as err:
         starting_origin(init, NO_TRACKING)
     assert str(err.value) == f"init {init}: expected runs:/<run id>/<artifact path>"
+
+
+def _unfit(path: Path, state: dict) -> str:
+    """The one line fetching `state`, saved at `path` as published weights for a 1-block ViT-Ti, is refused with."""
+    torch.save(state, path)
+    with pytest.raises(ValueError) as err:
+        fetch_starting_weights(str(path), model_name="ViT-Ti/16", model_overrides=TINY, tracking_uri=NO_TRACKING)
+    return str(err.value)
+
+
+def test_a_video_models_weights_given_as_published_weights_are_counted_not_dumped(tmp_path):
+    """A VTN's state dict shares two names with a ViT's; the rest are counted and the first few named."""
+    from vit.vtn import VTN, VTNConfig
+
+    vtn = VTN(VTNConfig(backbone="ViT-Ti/16", backbone_overrides={**TINY, "num_classes": 0}, num_classes=3,
+                        num_frames=4, depth=1, num_heads=2))
+    path = tmp_path / "vtn.pth"
+    assert _unfit(path, vtn.state_dict()) == (
+        f"init {path}: does not fit model 'ViT-Ti/16': cannot load {path} into VisionTransformer: 17 of its 18 "
+        "tensors missing, 43 of the file's 44 unexpected: missing keys ['blocks.0.attn.proj.bias', "
+        "'blocks.0.attn.proj.weight', 'blocks.0.attn.qkv.bias'] and 14 more, unexpected keys "
+        "['backbone.blocks.0.attn.proj.bias', 'backbone.blocks.0.attn.proj.weight', 'backbone.blocks.0.attn.qkv.bias'] "
+        "and 40 more")
+
+
+def test_published_weights_of_another_width_name_three_shapes_and_count_the_rest(tmp_path):
+    path = tmp_path / "wide.pth"
+    wide = vit.create_model("ViT-Ti/16", **{**TINY, "embed_dim": 64, "mlp_dim": 128})
+    assert _unfit(path, wide.state_dict()) == (
+        f"init {path}: does not fit model 'ViT-Ti/16': shape mismatch loading {path}: cls_token: file (1, 1, 64) vs "
+        "model (1, 1, 32); pos_embed: file (1, 17, 64) vs model (1, 17, 32); patch_embed.proj.weight: file (64, 48) "
+        "vs model (32, 48); and 15 more")
+
+
+def test_a_weights_file_that_holds_no_tensors_says_so(tmp_path):
+    path = tmp_path / "optimizer.pt"
+    assert _unfit(path, {"optimizer": {"state": {}, "param_groups": []}, "step": 3}) == (
+        f"init {path}: does not fit model 'ViT-Ti/16': {path} holds no tensors")

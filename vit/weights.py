@@ -245,10 +245,13 @@ def load_pretrained(
 
     `skip_head` leaves the model's head untouched (for transfer to another label
     set; the head is skipped anyway when the model has none). With `strict`, any
-    missing or unexpected key raises one ValueError listing them all; otherwise
-    they are returned. Shape mismatches always raise.
+    missing or unexpected key raises one ValueError counting them and naming the first
+    few; otherwise they are returned. Shape mismatches always raise (the first few
+    named), as does a file that holds no tensors.
     """
     sd = read_state_dict(path)
+    if not sd:  # e.g. an optimizer's state: a dict, but no weights in it
+        raise ValueError(f"{path} holds no tensors")
     sd = _from_hf(sd) if _is_hf(sd) else _from_timm(sd)
     if isinstance(model, VisionTransformer):
         sd = _adapt(sd, model, _config_grid(Path(path)))
@@ -265,13 +268,15 @@ def load_pretrained(
     if bad:
         head_bad = any(b.startswith(head) for b in bad)
         hint = " (pass skip_head=True to keep the model's own head)" if head_bad else ""
-        raise ValueError(f"shape mismatch loading {path}: {'; '.join(bad)}{hint}")
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""  # another width mismatches every tensor
+        raise ValueError(f"shape mismatch loading {path}: {'; '.join(bad[:3])}{more}{hint}")
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"cannot load {path} into {type(model).__name__}: missing keys {missing}, unexpected keys {unexpected}"
-        )
+    if strict and (missing or unexpected):  # counted first: another kind of model misses nearly all of them
+        named = [_few([repr(k) for k in keys], 3) for keys in (missing, unexpected)]
+        raise ValueError(f"cannot load {path} into {type(model).__name__}: {len(missing)} of its {len(own)} tensors "
+                         f"missing, {len(unexpected)} of the file's {len(sd)} unexpected: missing keys {named[0]}, "
+                         f"unexpected keys {named[1]}")
     model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False)
     return LoadResult(missing, unexpected)
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import vit
+from vit.weights import one_line
 from pipelines.core.registry import CHECKPOINT_FILES
 from pipelines.core.storage import open_store
 from pipelines.core.uris import is_s3_uri, strip_userinfo
@@ -201,9 +202,8 @@ def _from_foreign(init: str, model_name: str, overrides: dict[str, Any]) -> Any:
     model = vit.create_model(model_name, **overrides)
     try:
         vit.load_pretrained(model, path, skip_head=True)
-    except ValueError as err:
-        text = " ".join(str(err).split())
-        raise ValueError(f"init {init}: does not fit model {model_name!r}: {text[:300]}") from None
+    except ValueError as err:  # vit names a few keys or shapes and counts the rest: no cut mid-word
+        raise ValueError(f"init {init}: does not fit model {model_name!r}: {one_line(err)}") from None
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
         raise ValueError(f"init {init}: refused: the pickle holds objects other than tensors, "
                          "and vitpipe never runs code from a weights file") from None
