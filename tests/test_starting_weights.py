@@ -198,3 +198,23 @@ def test_a_weights_file_that_holds_no_tensors_says_so(tmp_path):
     path = tmp_path / "optimizer.pt"
     assert _unfit(path, {"optimizer": {"state": {}, "param_groups": []}, "step": 3}) == (
         f"init {path}: does not fit model 'ViT-Ti/16': {path} holds no tensors")
+
+
+def test_a_checkpoint_folder_whose_config_is_not_a_vits_names_the_file_not_a_temporary_folder(tmp_path):
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    Path(path, "config.json").write_text('{"arch": "vit", "config": {"width": 3}}')
+    with pytest.raises(ValueError) as err:
+        fetch_starting_weights(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING)
+    assert str(err.value) == (f"init {path}: not a loadable vit checkpoint (config.json + model.safetensors): "
+                              "config.json does not fit ViTConfig: ViTConfig.__init__() got an unexpected keyword "
+                              "argument 'width'")
+
+
+def test_a_checkpoint_folder_whose_weights_are_not_safetensors_names_the_file(tmp_path):
+    path = checkpoint(tmp_path / "ckpt", seed=0)
+    Path(path, "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(ValueError) as err:
+        fetch_starting_weights(path, model_name=None, model_overrides={}, tracking_uri=NO_TRACKING)
+    assert str(err.value) == (f"init {path}: not a loadable vit checkpoint (config.json + model.safetensors): "
+                              "model.safetensors cannot be read as safetensors: Error while deserializing header: "
+                              "header too large")

@@ -161,7 +161,9 @@ def _load_files(local: Path, source: str, read: Callable[[Path], Any] = vit.load
     try:
         return read(local)
     except Exception as err:  # safetensors' own error type, torch's RuntimeError on a wrong shape, ValueError
-        cause = " ".join(str(err).replace(str(local), "").split())[:200] or type(err).__name__  # no temp path
+        # vit names the folder it read, here a temporary one: the file's own name is what the user can find
+        where = re.compile(rf"(checkpoint )?{re.escape(str(local))}/?:? ?")
+        cause = where.sub("", one_line(err))[:200] or type(err).__name__
         raise ValueError(f"init {source}: not a loadable vit checkpoint (config.json + model.safetensors): {cause}") from None
 
 
