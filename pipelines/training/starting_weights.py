@@ -25,7 +25,7 @@ Three steps, each reading no more than it needs:
   `model.safetensors` (`vit.load_checkpoint`): nothing found there is unpickled
   or run, whatever else the folder holds.
 
-Runs and registered versions are looked up in `pipelines.training.tracked_weights`.
+Runs, registered versions and logged models are looked up in `pipelines.training.tracked_weights`.
 """
 
 from __future__ import annotations

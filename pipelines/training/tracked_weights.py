@@ -1,9 +1,11 @@
-"""Starting weights that MLflow keeps: a run's checkpoint folder or a registered model version.
+"""Starting weights that MLflow keeps: a run's checkpoint folder, a registered model version, a logged model.
 
 `pipelines.training.starting_weights` classifies an `init` and loads the weights;
-this module finds them in MLflow: the run or version an `init` names (metadata
-only) and the two checkpoint files (`config.json`, `model.safetensors`) behind it,
-downloaded by name. Every refusal is one ValueError line naming the `init`.
+this module finds them in MLflow: the run, version or logged model an `init` names
+(metadata only) and the two checkpoint files (`config.json`, `model.safetensors`)
+behind it, downloaded by name. Every refusal is one ValueError line naming the
+`init`: a deleted run, or a run with nothing at the path named (it says which
+stage the run is of, its status, and the checkpoints it did log).
 """
 
 from __future__ import annotations
