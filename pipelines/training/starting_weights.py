@@ -44,7 +44,8 @@ from vit.weights import one_line
 from pipelines.core.registry import CHECKPOINT_FILES
 from pipelines.core.storage import open_store
 from pipelines.core.uris import is_s3_uri, strip_userinfo
-from pipelines.training.tracked_weights import check_run, registered_version, registry_files, run_and_artifact, run_files
+from pipelines.training.tracked_weights import (check_run, registered_version, registry_files, run_and_artifact,
+                                               run_files)
 from pipelines.training.weights_digest import check_unchanged, content_digest, foreign_path
 
 Kind = Literal["scratch", "run", "registry", "checkpoint", "foreign"]
