@@ -8,7 +8,6 @@ exactly as a supervised pretrain's does.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import mlflow
 import pytest

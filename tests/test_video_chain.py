@@ -10,7 +10,6 @@ SQLite store. The spec then runs again and must reuse every stage.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
