@@ -15,8 +15,8 @@ def client(tmp_path) -> MlflowClient:
     return MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 
 
-def _config(run_name: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(experiment="skeleton", parent_run_id=None, run_name=run_name)
+def _config(run_name: str | None = None, experiment: str = "skeleton") -> SimpleNamespace:
+    return SimpleNamespace(experiment=experiment, parent_run_id=None, run_name=run_name)
 
 
 def test_a_new_identity_opens_a_new_run_that_ends_finished(client: MlflowClient) -> None:
@@ -140,6 +140,17 @@ def test_a_run_name_already_naming_another_stages_run_is_refused(client: MlflowC
     assert message.startswith(f"run_name 'exp1' already names pretrain run {pretrain.run_id}") and "\n" not in message
     runs = client.search_runs([client.get_experiment_by_name("skeleton").experiment_id])
     assert [r.info.run_id for r in runs] == [pretrain.run_id]
+
+
+def test_a_run_name_may_name_another_config_or_stage_in_another_experiment(client: MlflowClient) -> None:
+    # Each experiment keeps its runs' files in its own folder of the storage: nothing under the name is shared.
+    with stage_run(client, "pretrain", _config("nightly"), {"lr": 0.1}) as first:
+        pass
+    with stage_run(client, "pretrain", _config("nightly", "other"), {"lr": 0.2}) as changed:
+        assert not changed.finished and changed.run_id != first.run_id
+    with stage_run(client, "video-train", _config("nightly", "third"), {"lr": 0.1}) as video:
+        assert not video.finished
+    assert client.get_run(video.run_id).info.run_name == "nightly"
 
 
 def test_a_run_name_shared_with_a_run_that_is_no_stage_run_is_allowed(client: MlflowClient) -> None:

@@ -12,7 +12,8 @@ the config's hash, and the same config may run in several experiments). A
 named run (`run_name` set) whose identity changed would therefore restore the
 old config's checkpoints into the new one: that is refused, in one line naming
 the changed fields (each run records its identity in the tag `vitpipe.identity`);
-so is a name that already names another stage's run (its files would seed this one).
+so is a name that already names another stage's run (its files would seed this
+one). Both within the experiment: another one's runs keep their files apart.
 
     with stage_run(client, "pretrain", config, identity, tags=tags) as run:
         if run.finished:
@@ -100,8 +101,9 @@ def stage_run(
     """
     digest = tracking.config_hash(identity)
     name = config.run_name or f"{stage}-{digest[:12]}"
-    if config.run_name and not _has_run(client, config.experiment, stage, digest):  # else it resumes or is reused
-        refuse_changed_named_run(client, stage, name, digest, identity)
+    experiment_id = tracking.get_or_create_experiment(client, config.experiment)
+    if config.run_name and run_open.find_stage_run(client, experiment_id, stage, digest) is None:  # else it resumes
+        refuse_changed_named_run(client, experiment_id, stage, name, digest, identity)  # or is reused
     recorded = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     all_tags = {**(tags or {}), **({TAG_IDENTITY: recorded} if len(recorded) <= _MAX_TAG else {})}
     run_id, previous = run_open.start_stage_run(
@@ -133,24 +135,24 @@ def finished_run_id(client: MlflowClient, stage: str, config: Recorded, identity
     return found.info.run_id if found is not None and found.info.status == "FINISHED" else None
 
 
-def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest: str,
+def refuse_changed_named_run(client: MlflowClient, experiment_id: str, stage: str, name: str, digest: str,
                              identity: Mapping[str, Any]) -> None:
-    """Raise a one-line ValueError when a run named `name` (in any experiment of the store, deleted ones too:
-    their checkpoints stay in the storage) is a run of `stage` with an identity other than `digest`, or a run
-    of another stage: the name names the checkpoints, Tune state and staged starting weights of both."""
+    """Raise a one-line ValueError when a run named `name` in experiment `experiment_id` (deleted runs too: their
+    checkpoints stay in the storage) is a run of `stage` with an identity other than `digest`, or a run of
+    another stage: in the experiment's folder of the storage the name names the checkpoints, Tune state and
+    staged starting weights of both. Another experiment's runs keep their files in its own folder."""
     if "'" in name and '"' in name:  # MLflow's filter strings have no escapes: such a name cannot be looked up
         raise ValueError(f"run_name {name!r}: a run name may hold ' or \", not both")
-    experiments = [e.experiment_id for e in _all_experiments(client)]
     quoted = f'"{name}"' if "'" in name else f"'{name}'"
     named = f"attributes.run_name = {quoted} and tags.`{tracking.TAG_STAGE}`"
     # Only runs of this skeleton (they record `vitpipe.identity`) keep files under their name; a
     # pipeline's parent run, named after its spec, does not.
-    other = _newest(client, experiments, f"{named} != '{stage}' and tags.`{TAG_IDENTITY}` LIKE '%'")
+    other = _newest(client, experiment_id, f"{named} != '{stage}' and tags.`{TAG_IDENTITY}` LIKE '%'")
     if other is not None:
         raise ValueError(f"run_name {name!r} already names {other.data.tags[tracking.TAG_STAGE]} run "
                          f"{other.info.run_id}; a run's name names its checkpoints and work files in the storage, "
                          f"so that run's would seed this {stage} run: choose another run_name")
-    old = _newest(client, experiments, f"{named} = '{stage}' and tags.`{tracking.TAG_CONFIG_HASH}` != '{digest}'")
+    old = _newest(client, experiment_id, f"{named} = '{stage}' and tags.`{tracking.TAG_CONFIG_HASH}` != '{digest}'")
     if old is None:
         return
     stored = old.data.tags.get(TAG_IDENTITY)
@@ -164,25 +166,8 @@ def refuse_changed_named_run(client: MlflowClient, stage: str, name: str, digest
                      "its checkpoints would seed this one: choose another run_name, or restore that config")
 
 
-def _newest(client: MlflowClient, experiments: list[str], filter_string: str) -> Any | None:
-    """The newest run of `experiments` (deleted ones too) that `filter_string` selects, or None."""
-    runs = client.search_runs(experiments, filter_string=filter_string, run_view_type=ViewType.ALL,
-                              order_by=["attributes.start_time DESC"], max_results=1) if experiments else []
+def _newest(client: MlflowClient, experiment_id: str, filter_string: str) -> Any | None:
+    """The newest run of the experiment (deleted ones too) that `filter_string` selects, or None."""
+    runs = client.search_runs([experiment_id], filter_string=filter_string, run_view_type=ViewType.ALL,
+                              order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0] if runs else None
-
-
-def _has_run(client: MlflowClient, experiment: str, stage: str, digest: str) -> bool:
-    """True when the experiment holds a run of `stage` with this identity."""
-    experiment_id = tracking.get_or_create_experiment(client, experiment)
-    return run_open.find_stage_run(client, experiment_id, stage, digest) is not None
-
-
-def _all_experiments(client: MlflowClient) -> list[Any]:
-    """Every experiment of the store, page by page."""
-    found, token = [], None
-    while True:
-        page = client.search_experiments(view_type=ViewType.ALL, max_results=1000, page_token=token)
-        found.extend(page)
-        token = page.token
-        if not token:
-            return found
