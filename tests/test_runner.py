@@ -49,7 +49,8 @@ def write_spec(tmp: Path, corpus: Path, tracking_uri: str | None = None, only: t
                          "log_interval": 2, "augment": False, **pretrain_fields},
             "finetune": {"kind": "finetune", "inputs": ["corpus", "pretrain"], "batch_size": 16, "eval_interval": 3,
                          "search_space": {"lr": 0.01, "steps": 6}, "max_concurrent_trials": 1},
-            "fewshot": {"kind": "evaluate", "inputs": ["corpus", "pretrain"], "shots": [1, 2], "repeats": 1},
+            # From the fine-tune's logged model (`models:/m-…`), which failed before the stage could start.
+            "fewshot": {"kind": "evaluate", "inputs": ["corpus", "finetune"], "shots": [1, 2], "repeats": 1},
         },
     }
     if only:
@@ -105,6 +106,8 @@ def test_each_stage_is_a_child_run_of_one_pipeline_run_with_lineage_tags(runs):
     assert client.get_run(by_stage["finetune"]).data.tags["vitpipe.upstream_runs"] == (
         f"corpus={by_stage['corpus']},pretrain={by_stage['pretrain']}")
     assert client.get_run(by_stage["pretrain"]).data.tags["vitpipe.ingest_run_id"] == by_stage["corpus"]
+    assert client.get_run(by_stage["fewshot"]).data.tags["vitpipe.upstream_runs"] == (
+        f"corpus={by_stage['corpus']},finetune={by_stage['finetune']}")
 
 
 def test_the_pipeline_run_holds_the_resolved_spec_and_the_latest_summary(runs):
