@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipelines.core.registry import MODEL_CHECKPOINT, download_checkpoint
-from pipelines.core.tracking import TAG_STAGE
 from pipelines.core.uris import strip_userinfo
 
 DEFAULT_RUN_ARTIFACT = "checkpoints/final"
@@ -97,6 +96,8 @@ def _nothing_at(client: Any, run_id: str, artifact: str) -> bool:
 def _run_holds(client: Any, run_id: str, artifact: str) -> str:
     """What run `run_id` is and which checkpoint folders it logged, for an `artifact` path where it logged
     nothing."""
+    from pipelines.core.tracking import TAG_STAGE  # deferred: it imports mlflow; a config check must not
+
     run = client.get_run(run_id)
     stage = run.data.tags.get(TAG_STAGE, "not a vitpipe stage")
     folders = [f"runs:/{run_id}/{entry.path}" for entry in client.list_artifacts(run_id, "checkpoints") if entry.is_dir]
