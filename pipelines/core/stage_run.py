@@ -109,7 +109,7 @@ def stage_run(
     run_id, previous = run_open.start_stage_run(
         client, config.experiment, stage, digest, run_name=name, parent_run_id=config.parent_run_id, tags=all_tags
     )
-    run = StageRun(client, stage, run_id, name, digest, previous, client.get_run(run_id).info.experiment_id)
+    run = StageRun(client, stage, run_id, name, digest, previous, experiment_id)
     if run.finished:
         logger.info("%s: run %s already finished with this config; not running again", stage, run_id)
         yield run
