@@ -21,7 +21,7 @@ from pyarrow.fs import LocalFileSystem
 
 import vit
 from pipelines.image.finetune import run_finetune
-from pipelines.image.finetune_results import load_trial_model, pick_best, score_trial
+from pipelines.image.finetune_results import load_trial_model, pick_best, score_trial, trial_runs
 from pipelines.image.finetune_trial import POSITION_FILE, TrialHooks
 from tests.transfer_fixtures import DIGITS_SIZE, sweep_config
 
@@ -45,9 +45,15 @@ def _outcome(trial_id: str, step: int, val_top1: float, status: str = "early_sto
     return {"trial_id": trial_id, "config": {"lr": 0.01}, "status": status, "last": last, "error": None}
 
 
+def _score(outcome: dict, trials: Path) -> dict:
+    """`outcome` scored by `val_top1` among the trial runs under `trials`."""
+    fs = LocalFileSystem()
+    return score_trial(outcome, "val_top1", trial_runs(str(trials), fs), fs)
+
+
 def test_a_trial_is_scored_by_the_report_saved_with_its_last_checkpoint_not_its_last_result(tmp_path):
     _checkpoint(tmp_path, "t0", 4, val_top1=0.30, seed=0)
-    scored = score_trial(_outcome("t0", 6, val_top1=0.50), "val_top1", str(tmp_path), LocalFileSystem())
+    scored = _score(_outcome("t0", 6, val_top1=0.50), tmp_path)
     assert scored["metric"] == 0.30
     assert scored["checkpoint"] == f"{tmp_path}/t0/checkpoint_00000004"
     assert scored["checkpoint_step"] == 4
@@ -55,9 +61,8 @@ def test_a_trial_is_scored_by_the_report_saved_with_its_last_checkpoint_not_its_
 
 def test_a_trial_without_a_checkpoint_cannot_be_picked(tmp_path):
     _checkpoint(tmp_path, "saved", 24, val_top1=0.40, seed=0)
-    fs = LocalFileSystem()
-    outcomes = [score_trial(_outcome("unsaved", 2, val_top1=0.90), "val_top1", str(tmp_path), fs),
-                score_trial(_outcome("saved", 24, val_top1=0.40, status="completed"), "val_top1", str(tmp_path), fs)]
+    outcomes = [_score(_outcome("unsaved", 2, val_top1=0.90), tmp_path),
+                _score(_outcome("saved", 24, val_top1=0.40, status="completed"), tmp_path)]
     assert outcomes[0]["metric"] is None and outcomes[0]["checkpoint"] is None
     assert pick_best(outcomes, "max")["trial_id"] == "saved"
 
@@ -66,19 +71,18 @@ def test_the_best_trial_is_picked_by_checkpoint_scores_and_loads_the_checkpoint_
     # "stopped" reported 0.9 at step 6, but its weights saved at step 4 scored 0.3; "done" saved 0.5 at its end.
     _checkpoint(tmp_path, "stopped", 4, val_top1=0.30, seed=0)
     done = _checkpoint(tmp_path, "done", 24, val_top1=0.50, seed=1)
-    fs = LocalFileSystem()
-    outcomes = [score_trial(_outcome("stopped", 6, val_top1=0.90), "val_top1", str(tmp_path), fs),
-                score_trial(_outcome("done", 24, val_top1=0.50, status="completed"), "val_top1", str(tmp_path), fs)]
+    outcomes = [_score(_outcome("stopped", 6, val_top1=0.90), tmp_path),
+                _score(_outcome("done", 24, val_top1=0.50, status="completed"), tmp_path)]
     best = pick_best(outcomes, "max")
     assert (best["trial_id"], best["metric"]) == ("done", 0.50)
-    loaded = load_trial_model(best["checkpoint"], fs).state_dict()
+    loaded = load_trial_model(best["checkpoint"], LocalFileSystem()).state_dict()
     for name, tensor in done.state_dict().items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_a_failed_trial_is_not_scored_even_with_a_checkpoint(tmp_path):
     _checkpoint(tmp_path, "t0", 4, val_top1=0.30, seed=0)
-    scored = score_trial(_outcome("t0", 4, val_top1=0.30, status="failed"), "val_top1", str(tmp_path), LocalFileSystem())
+    scored = _score(_outcome("t0", 4, val_top1=0.30, status="failed"), tmp_path)
     assert scored["metric"] is None and scored["checkpoint"] is None
 
 
@@ -86,7 +90,7 @@ def test_a_trial_whose_last_checkpoint_lacks_its_position_file_is_unscored_not_a
     # What a worker killed while saving leaves (ASHA stops a trial by killing its workers).
     _checkpoint(tmp_path, "t0", 4, val_top1=0.30, seed=0)
     vit.save_checkpoint(vit.create_model("ViT-Ti/16", **TINY), tmp_path / "t0" / "checkpoint_00000008")
-    scored = score_trial(_outcome("t0", 6, val_top1=0.50), "val_top1", str(tmp_path), LocalFileSystem())
+    scored = _score(_outcome("t0", 6, val_top1=0.50), tmp_path)
     assert (scored["metric"], scored["checkpoint"], scored["checkpoint_step"]) == (None, None, None)
 
 

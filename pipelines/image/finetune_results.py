@@ -39,6 +39,7 @@ def trial_outcomes(result_grid: Any, metric: str, storage_path: str, filesystem:
     """One record per trial: id, config, status (completed | early_stopped | failed), `last` (Tune's last
     result), error, and its score (`score_trial`; trial Train runs live under `storage_path`)."""
     fs = filesystem or _local_fs()
+    runs = trial_runs(storage_path, fs)  # listed once for all trials: one LIST on S3, not one per trial
     out = []
     for trial in result_grid._experiment_analysis.trials:  # ResultGrid keeps no trial ids of its own
         last = dict(trial.last_result or {})
@@ -52,11 +53,11 @@ def trial_outcomes(result_grid: Any, metric: str, storage_path: str, filesystem:
             status = "completed"
         outcome = {"trial_id": trial.trial_id, "config": dict(trial.config), "status": status, "last": last,
                    "error": error}
-        out.append(score_trial(outcome, metric, storage_path, fs))
+        out.append(score_trial(outcome, metric, runs, fs))
     return out
 
 
-def score_trial(outcome: dict[str, Any], metric: str, storage_path: str, fs: Any) -> dict[str, Any]:
+def score_trial(outcome: dict[str, Any], metric: str, runs: list[str], fs: Any) -> dict[str, Any]:
     """`outcome` with its `checkpoint` (furthest Train checkpoint, see `trial_checkpoint`), `checkpoint_step`
     and `metric`: the value stored with that checkpoint, i.e. the score of the weights that would be tested.
 
@@ -64,7 +65,7 @@ def score_trial(outcome: dict[str, Any], metric: str, storage_path: str, fs: Any
     be older, or newer when its workers trained on a moment after the stop). A failed trial, or one that
     never saved, has no score and cannot be the best.
     """
-    path = trial_checkpoint(storage_path, fs, outcome["trial_id"]) if outcome["status"] != "failed" else None
+    path = trial_checkpoint(runs, fs, outcome["trial_id"]) if outcome["status"] != "failed" else None
     report = {}
     if path:
         try:
@@ -159,20 +160,30 @@ def _local_fs() -> Any:
     return pafs.LocalFileSystem()
 
 
-def trial_checkpoint(storage_path: str, fs: Any, trial_id: str) -> str | None:
-    """The path of a trial's furthest Train checkpoint, or None when it saved none.
+def trial_runs(storage_path: str, fs: Any) -> list[str]:
+    """The Train run folders of a sweep's trials: what `storage_path` holds (none when it does not exist)."""
+    import pyarrow.fs as pafs
+
+    infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
+    return [info.path for info in infos if info.type == pafs.FileType.Directory]
+
+
+def trial_checkpoint(runs: list[str], fs: Any, trial_id: str) -> str | None:
+    """The path of a trial's furthest Train checkpoint among the sweep's `runs` (`trial_runs`), or None when it
+    saved none.
 
     Under PBT a trial trains on in runs named `<trial>-from-<hash>` after each
     clone; the checkpoint with the highest step among all its runs is its last.
     """
-    import pyarrow.fs as pafs
-
-    infos = fs.get_file_info(pafs.FileSelector(storage_path, allow_not_found=True))
-    runs = [i.path for i in infos if i.base_name == trial_id or i.base_name.startswith(f"{trial_id}-from-")]
-    found = [path for path in (latest_checkpoint(fs, run) for run in runs) if path]
+    own = [run for run in runs if _base_name(run) == trial_id or _base_name(run).startswith(f"{trial_id}-from-")]
+    found = [path for path in (latest_checkpoint(fs, run) for run in own) if path]
     if not found:
         return None
     return max(found, key=lambda p: (int(p.rsplit("_", 1)[1]), fs.get_file_info(p).mtime_ns or 0))
+
+
+def _base_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def load_trial_model(checkpoint: str, filesystem: Any) -> Any:
@@ -302,5 +313,6 @@ __all__ = [
     "score_trial",
     "sweep_score",
     "trial_checkpoint",
+    "trial_runs",
     "trial_outcomes",
 ]
