@@ -40,6 +40,10 @@ AGENT_WAIT_S = 60.0
 # purpose: it names a profile in the submitter's ~/.aws, and botocore fails on a node that lacks that profile
 # instead of using the node's own credentials. Pass it with --env where the nodes have the profile.
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+# Ray's job supervisor SIGKILLs a stopped job this long after its SIGTERM, reading RAY_JOB_STOP_WAIT_TIME_S from
+# the job's own env vars (Ray's default: 3 s). Ending the runs KILLED took longer on a busy head and left the
+# pipeline run RUNNING; the supervisor stops waiting as soon as the job has exited.
+STOP_GRACE_S = 30
 
 
 class JobError(VitpipeError):
@@ -148,14 +152,15 @@ def _field_with_userinfo(value: Any, where: str = "") -> str | None:
 
 def job_runtime_env(extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The job's runtime env: this project as working dir, then `extra` (a --runtime-env file) over it;
-    env vars are the forwarded settings, then `extra`'s, then `env` (--env), later ones winning."""
+    env vars are the stop grace (`STOP_GRACE_S`), the forwarded settings, then `extra`'s, then `env` (--env),
+    later ones winning."""
     extra = dict(extra or {})
     forwarded = check_env({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}, "environment")
-    env_vars = {**forwarded, **extra.pop("env_vars", {}), **(env or {})}
+    grace = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}
+    env_vars = {**grace, **forwarded, **extra.pop("env_vars", {}), **(env or {})}
     runtime_env: dict[str, Any] = {"working_dir": str(PROJECT_ROOT), **extra}
     runtime_env["excludes"] = [*UPLOAD_EXCLUDES, *extra.get("excludes", [])]
-    if env_vars:
-        runtime_env["env_vars"] = env_vars
+    runtime_env["env_vars"] = env_vars
     return runtime_env
 
 

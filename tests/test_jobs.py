@@ -276,6 +276,42 @@ def test_a_stopped_pipeline_job_ends_its_runs_killed_and_its_log_says_so(token_c
                            f"{runs['pipeline'].info.run_id} is KILLED; the same command resumes it")
 
 
+# A job whose SIGTERM handler needs 6 s to end its work (as ending runs KILLED may on a busy head).
+_SLOW_STOP = """
+import pathlib, signal, sys, time
+def end(*_):
+    time.sleep(6)
+    pathlib.Path(sys.argv[1]).write_text("ended")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, end)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_job_has_time_to_end_its_work_before_rays_sigkill(token_cluster, tmp_path):
+    # Ray's supervisor SIGKILLs a stopped job RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM, 3 s unless the job's
+    # env says otherwise; vitpipe's job env does (ray job submit with that env, so no upload is needed).
+    from pipelines.jobs import job_runtime_env
+
+    program, marker = tmp_path / "slow_stop.py", tmp_path / "ended"
+    program.write_text(_SLOW_STOP)
+    env_json = json.dumps({"env_vars": job_runtime_env().get("env_vars", {})})
+    command = ["ray", "job", "submit", "--address", token_cluster.address, "--no-wait", "--runtime-env-json",
+               env_json, "--", sys.executable, str(program), str(marker)]
+    done = subprocess.run(command, env={**token_cluster.env, "RAY_AUTH_MODE": "token"}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [job_id] = re.findall(r"Job '(\w+)' submitted", done.stdout + done.stderr)
+    deadline = time.monotonic() + 120
+    while "ready" not in vitpipe("logs", job_id, "--address", token_cluster.address, env=token_cluster.env).stdout:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(1)
+    assert vitpipe("stop", job_id, "--address", token_cluster.address, env=token_cluster.env).returncode == 0
+    assert wait_for(token_cluster.address, job_id, token_cluster.env, ("STOPPED", "FAILED", "SUCCEEDED")) == "STOPPED"
+    assert marker.read_text() == "ended"
+
+
 def _pretrain_steps(client) -> int:
     """The steps the job's pretrain run has logged so far (0 before the run exists)."""
     experiment = client.get_experiment_by_name("vitpipe")
