@@ -150,3 +150,10 @@ def test_an_unfinished_job_points_at_its_logs_without_the_address_password(monke
         follow_job("http://u:s3cret@head:8265", "j1")
     err = capsys.readouterr().err
     assert "vitpipe logs j1 --address http://head:8265" in err and "s3cret" not in err
+
+
+def test_a_jobs_stop_grace_is_vitpipes_unless_its_env_or_runtime_env_sets_one() -> None:
+    grace = "RAY_JOB_STOP_WAIT_TIME_S"  # read by Ray's job supervisor from the job's own env vars
+    assert jobs.job_runtime_env()["env_vars"][grace] == str(jobs.STOP_GRACE_S)
+    assert jobs.job_runtime_env({"env_vars": {grace: "5"}})["env_vars"][grace] == "5"
+    assert jobs.job_runtime_env({"env_vars": {grace: "5"}}, jobs.parse_env([f"{grace}=90"]))["env_vars"][grace] == "90"
