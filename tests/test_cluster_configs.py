@@ -19,6 +19,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from pipelines.jobs import STOP_GRACE_S
 from pipelines.spec_file import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +116,11 @@ def test_rayjob_runs_an_existing_spec_that_loads() -> None:
     assert words[:2] == ["vitpipe", "run"]
     spec = load_spec(ROOT / words[2])
     assert any(s.kind == "pretrain" for s in spec.stages.values())
+
+
+def test_rayjob_gives_its_stopped_job_vitpipes_stop_grace() -> None:
+    runtime_env = yaml.safe_load(load("kuberay/rayjob.yaml")["spec"]["runtimeEnvYAML"])
+    assert runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == str(STOP_GRACE_S)
 
 
 def test_rayjob_cluster_has_gpu_workers_and_shuts_down() -> None:
