@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,12 @@ REGION = "us-east-1"
 # poll. The suite runs dozens of short runs; every cluster it starts (they inherit this environment) polls at
 # 0.25 s (measured: 130-132 s against 151-152 s for five of test_pretrain.py's Train tests).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every
+# command it starts (an ignored signal survives exec): the Ctrl-C tests stand for a terminal's Ctrl-C, so
+# take SIGINT back; the commands then start with its default, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # moto's own server entry point with two wire-level fixes, so the server behaves
 # like S3 for the clients we use:

@@ -213,12 +213,15 @@ def test_a_stopped_command_says_so_in_one_line_and_exits_128_plus_the_signal(tmp
     command = [sys.executable, "-m", "pipelines.cli", "corpus", "synth", str(out), "--images", "200000"]
     env = {**os.environ, "VITPIPE_LOG_DIR": str(tmp_path / "logs")}
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as cli:
-        deadline = time.monotonic() + 60
-        while not any(out.rglob("*.jpg")):  # inside the command, not still starting up
-            assert cli.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        cli.send_signal(signum)
-        _, stderr = cli.communicate(timeout=60)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(out.rglob("*.jpg")):  # inside the command, not still starting up
+                assert cli.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+            cli.send_signal(signum)
+            _, stderr = cli.communicate(timeout=60)
+        finally:  # a command the signal did not stop fails the test, not hangs the suite in Popen's exit
+            cli.kill()
     assert cli.returncode == 128 + signum
     assert "Traceback" not in stderr
     [line] = [line for line in stderr.splitlines() if line.startswith("stopped")]  # beside Ray's start-up lines
