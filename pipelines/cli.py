@@ -363,7 +363,7 @@ def stage(
     # A bad config, or one whose runs would be lost with the job's working directory, fails here.
     cfg = load_stage_config(STAGES[kind].config_model, kind, config, parse_overrides(sets))
     job_env = jobs.job_runtime_env()
-    fallback = job_env.get("env_vars", {}).get("MLFLOW_TRACKING_URI")
+    fallback = job_env["env_vars"].get("MLFLOW_TRACKING_URI")
     jobs.check_tracking_uri(getattr(cfg, "tracking_uri", None) or fallback, f"config {config}")
     command = kind.replace("_", "-")  # the subcommand that runs this kind
     cli_jobs.submit_job(address, [command, jobs.job_path(config), *cli_jobs.repeat("--set", sets)], wait,

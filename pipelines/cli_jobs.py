@@ -48,7 +48,7 @@ def submit(
     check_forced(pipeline_spec, force)  # a bad spec fails here, not minutes later on the cluster
     extra = jobs.load_runtime_env(runtime_env) if runtime_env else None
     job_env = jobs.job_runtime_env(extra, jobs.parse_env(env))
-    fallback = job_env.get("env_vars", {}).get("MLFLOW_TRACKING_URI")
+    fallback = job_env["env_vars"].get("MLFLOW_TRACKING_URI")
     jobs.check_tracking_uri(pipeline_spec.tracking_uri or fallback, f"spec {spec}")
     command = ["run", jobs.job_path(spec), *repeat("--set", sets), *repeat("--force", force)]
     submit_job(address, command, wait, submission_id=submission_id, runtime_env=job_env)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import posixpath
 import signal
 import tempfile
 from typing import Any
@@ -175,15 +176,12 @@ def trial_checkpoint(runs: list[str], fs: Any, trial_id: str) -> str | None:
     Under PBT a trial trains on in runs named `<trial>-from-<hash>` after each
     clone; the checkpoint with the highest step among all its runs is its last.
     """
-    own = [run for run in runs if _base_name(run) == trial_id or _base_name(run).startswith(f"{trial_id}-from-")]
+    own = [run for run in runs if (name := posixpath.basename(run.rstrip("/"))) == trial_id
+           or name.startswith(f"{trial_id}-from-")]
     found = [path for path in (latest_checkpoint(fs, run) for run in own) if path]
     if not found:
         return None
     return max(found, key=lambda p: (int(p.rsplit("_", 1)[1]), fs.get_file_info(p).mtime_ns or 0))
-
-
-def _base_name(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def load_trial_model(checkpoint: str, filesystem: Any) -> Any:
