@@ -1,146 +1,39 @@
 """The video ingest stage on real video files: a local folder and the loopback S3 server.
 
 Good videos come from the generated corpus (MP4/H.264) plus one each in WebM
-(VP9), AVI (MPEG-4 part 2) and MKV (H.264); bad ones are made here, one of each
-kind the stage must refuse.
+(VP9), AVI (MPEG-4 part 2) and MKV (H.264), made in `tests/video_ingest_files.py`;
+bad input is in `tests/test_video_ingest_rejects.py`.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import uuid
 from pathlib import Path
 
-import av
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from pipelines.core import shards
+from pipelines.core.errors import VitpipeError
+from pipelines.corpora.videos import class_specs
 from pipelines.video import shards as video_shards
-from pipelines.core.errors import IngestError, VitpipeError
-from pipelines.corpora.videos import class_specs, make_video, synth_video_corpus
 from pipelines.video.data import read_video_manifest
 from pipelines.video.ingest import run_video_ingest
 from pipelines.video.configs import VideoIngestConfig
 from pipelines.video.decode import clip_indices, full_indices
 from tests.process_output import result_json
 from tests.shard_output import assert_completing_writes_only_the_missing_shard, mtimes
-
-SEED, SIZE, FRAMES, CLASSES, VIDEOS = 0, 32, 16, 4, 24
-FRAME_SIZE, MAX_FRAMES = 16, 16
-# Extra good videos in the other containers: key -> (class, video index, FFmpeg format, codec).
-OTHER_CONTAINERS = {"webm": ("webm", "libvpx-vp9"), "avi": ("avi", "mpeg4"), "mkv": ("matroska", "libx264")}
-
-
-def encode(frames: np.ndarray, fps: int, fmt: str, codec: str) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        stream.bit_rate = 4_000_000  # high quality, so decoded frames stay close to the rendered ones
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
-
-
-def zero_frame_avi() -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="avi") as container:
-        stream = container.add_stream("mpeg4", rate=10)
-        stream.width = stream.height = 32
-        container.start_encoding()  # header and an empty index: a video stream with no frames
-    return buf.getvalue()
-
-
-def audio_only_mp4() -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("aac", rate=8000)
-        for _ in range(8):
-            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
-            frame.sample_rate = 8000
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
-
-
-def png() -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-# One of each kind of bad object: name -> (key, bytes, expected reason).
-def bad_objects(rng: np.random.Generator) -> dict[str, tuple[str, bytes, str]]:
-    specs = class_specs(CLASSES)
-    frames, fps = make_video(specs[0], 99, seed=SEED, size=SIZE, frames=30)
-    mp4 = encode(frames, fps, "mp4", "libx264")
-    mkv = encode(frames, fps, "matroska", "libx264")
-    avi = encode(frames, fps, "avi", "mpeg4")
-    a, b = specs[0].name, specs[1].name
-    return {
-        "empty": (f"{a}/empty.mp4", b"", "empty file"),
-        "garbage": (f"{a}/garbage.mp4", rng.integers(0, 256, 4000, dtype=np.uint8).tobytes(), "not a video"),
-        "truncated-mp4": (f"{a}/truncated.mp4", mp4[: len(mp4) // 2], "corrupt or truncated"),
-        "truncated-mkv": (f"{b}/truncated.mkv", mkv[: len(mkv) // 2], "corrupt or truncated"),
-        "corrupt": (f"{b}/corrupt.mkv", mkv[:64] + rng.integers(0, 256, 4000, dtype=np.uint8).tobytes(),
-                    "corrupt or truncated"),
-        "zero-frames": (f"{a}/zero.avi", zero_frame_avi(), "no video frames"),
-        "audio-only": (f"{b}/audio.mp4", audio_only_mp4(), "no video stream (audio only)"),
-        # An AVI whose codec tag no decoder knows.
-        "unsupported-codec": (f"{b}/unknown.avi", avi.replace(b"FMP4", b"QQQQ"), "unsupported codec"),
-        "still-image": (f"{a}/picture.png", png(), "unsupported container"),
-        "loose": ("loose.mp4", mp4, "not inside a class folder"),
-    }
-
-
-def config(source, output, **overrides) -> VideoIngestConfig:
-    fields = dict(source=str(source), output=str(output), frame_size=FRAME_SIZE, max_frames=MAX_FRAMES,
-                  val_fraction=0.2, test_fraction=0.1, shard_size=8, mix_window=4)
-    fields.update(overrides)
-    return VideoIngestConfig(**fields)
-
-
-def read_rows(output: str) -> dict[str, dict]:
-    rows = {}
-    for path in sorted(Path(output, shards.SHARD_DIR).glob("*.parquet")):
-        for row in video_shards.read_video_rows(pq.read_table(path)):
-            assert row["key"] not in rows, f"{row['key']} appears twice"
-            rows[row["key"]] = row
-    return rows
+from tests.video_ingest_files import (  # noqa: F401
+    CLASSES, FRAME_SIZE, MAX_FRAMES, OTHER_CONTAINERS, VIDEOS, config, corpus, read_rows,
+)
 
 
 def resized(frames: np.ndarray, size: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.Resampling.BOX)) for f in frames])
-
-
-@pytest.fixture(scope="module")
-def corpus(ray_cluster, tmp_path_factory):
-    """The generated corpus plus one good video per other container; returns (root, {key: (frames, fps)})."""
-    root = tmp_path_factory.mktemp("video-corpus")
-    synth_video_corpus(str(root), videos=VIDEOS, classes=CLASSES, size=SIZE, frames=FRAMES, seed=SEED)
-    specs = class_specs(CLASSES)
-    expected = {}
-    for spec in specs:
-        for i in range(VIDEOS // CLASSES):
-            expected[f"{spec.name}/{i:06d}.mp4"] = make_video(spec, i, seed=SEED, size=SIZE, frames=FRAMES)
-    for n, (ext, (fmt, codec)) in enumerate(OTHER_CONTAINERS.items()):
-        spec = specs[2 + n % 2]
-        video = make_video(spec, 100 + n, seed=SEED, size=SIZE, frames=FRAMES)
-        key = f"{spec.name}/other-{n}.{ext}"
-        (root / key).write_bytes(encode(*video, fmt, codec))
-        expected[key] = video
-    return root, expected
 
 
 @pytest.fixture(scope="module")
@@ -289,80 +182,6 @@ def test_changed_sampling_replaces_the_output(ray_cluster, corpus, ingested, tmp
     result = run_video_ingest(config(corpus[0], out, max_frames=4))
     assert not result.skipped and result.shards_reused == 0
     assert {r["num_frames"] for r in read_rows(str(out)).values()} == {4}
-
-
-# ---------------------------------------------------------------- bad input
-
-
-def _files(root: Path) -> dict[Path, bytes]:
-    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-
-
-def test_an_output_holding_an_image_ingest_output_is_refused_and_left_whole(corpus, tiny_dataset, tmp_path):
-    # A mistyped output: writing there would delete the images' marker and replace their shards.
-    images = tmp_path / "images"
-    shutil.copytree(tiny_dataset, images)
-    before = _files(images)
-    with pytest.raises(VitpipeError) as err:
-        run_video_ingest(config(corpus[0], images))
-    assert str(err.value) == (f"{images}: holds a finished output of another kind (format 'vitpipe-patches/1', "
-                              "not 'vitpipe-video/1'); write to a new folder or to an earlier output of this kind")
-    assert _files(images) == before
-
-
-@pytest.fixture(scope="module")
-def dirty(corpus, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dirty-videos")
-    shutil.copytree(corpus[0], root, dirs_exist_ok=True)
-    bad = bad_objects(np.random.default_rng(0))
-    for key, data, _ in bad.values():
-        (root / key).parent.mkdir(parents=True, exist_ok=True)
-        (root / key).write_bytes(data)
-    return root, bad
-
-
-@pytest.fixture(scope="module")
-def tolerant(ray_cluster, dirty, tmp_path_factory):
-    return run_video_ingest(config(dirty[0], tmp_path_factory.mktemp("tolerant") / "out", max_reject_fraction=0.5))
-
-
-@pytest.mark.parametrize("kind", list(bad_objects(np.random.default_rng(0))))
-def test_bad_video_is_rejected_with_its_reason(dirty, tolerant, kind):
-    key, _, reason = dirty[1][kind]
-    rejected = {r["key"]: r["reason"] for r in tolerant.manifest["rejected"]}
-    assert key in rejected
-    assert rejected[key].startswith(reason), rejected[key]
-
-
-def test_rejections_are_counted_and_every_good_video_kept(corpus, dirty, tolerant):
-    assert tolerant.counts["rejected"] == len(dirty[1]) == len(tolerant.manifest["rejected"])
-    assert tolerant.counts["videos"] == len(corpus[1])
-    assert sorted(read_rows(tolerant.output)) == sorted(corpus[1])
-
-
-def test_too_many_rejections_fail_the_stage_with_one_line(ray_cluster, corpus, dirty, tmp_path):
-    root, bad = dirty
-    with pytest.raises(IngestError) as info:
-        run_video_ingest(config(root, tmp_path / "strict"))  # default threshold: 1%
-    message = str(info.value)
-    total = len(corpus[1]) + len(bad)
-    assert "\n" not in message
-    assert f"{len(bad)} of {total} objects rejected ({100 * len(bad) / total:.1f}% > 1.0%)" in message
-    assert str(tmp_path / "strict" / shards.MANIFEST) in message
-    assert not (tmp_path / "strict" / shards.SUCCESS).exists()
-
-
-def test_cli_video_ingest_prints_one_line_and_exits_non_zero_past_the_threshold(ray_cluster, dirty, tmp_path):
-    from typer.testing import CliRunner
-
-    from pipelines.cli import app
-
-    result = CliRunner().invoke(app, ["video-ingest", str(dirty[0]), str(tmp_path / "cli"), "--frame-size", "16"])
-    assert result.exit_code == 1
-    # Ray Data's progress lines may come first on stderr (for people); the error is the last line, and one line.
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "objects rejected" in last
-    assert "Traceback" not in result.stderr
 
 
 # ---------------------------------------------------------------- CLI, config, S3
