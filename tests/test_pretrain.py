@@ -228,6 +228,26 @@ def test_a_finished_run_is_handed_back_without_starting_or_joining_ray(trained, 
     assert again.reused and again.run_id == result.run_id
 
 
+def test_a_finished_run_leaves_no_train_controller_alive(trained, ray_cluster):
+    # Ray Train's Ctrl-C handler holds the run's controller actor (and its dataset actors) until replaced.
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    filters = [("class_name", "=", "TrainController"), ("state", "=", "ALIVE"), ("job_id", "=", job)]
+    deadline = time.monotonic() + 60
+    while (alive := list_actors(address=ray_cluster.dashboard_url, filters=filters)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not alive, [(a.actor_id, a.pid) for a in alive]
+
+
+def test_ctrl_c_after_a_run_stops_the_process_at_once(trained):
+    # Not Ray Train's handler, which would abort the finished run and swallow the first two Ctrl-Cs.
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+
 # ---------------------------------------------------------------- reproducibility
 
 

@@ -9,7 +9,9 @@ exception unwinding the stage:
   installs it again). Inside `ray.get`, Ray turns it into a SystemExit(1), so
   the handler also records the signal;
 - Ctrl-C raises KeyboardInterrupt, except during Ray Train's `fit`, whose own
-  handler aborts the training run and then calls `sys.exit(0)`.
+  handler aborts the training run and then calls `sys.exit(0)`. Ray leaves that
+  handler installed after `fit` (holding the run's controller actor alive, and
+  swallowing the next two Ctrl-Cs), so `sigint_restored` puts the old one back.
 
 A run that such an exception leaves ends KILLED (`pipelines.core.stage_run`),
 and the same command resumes it. The CLI reports the stop in one line and exits
@@ -18,8 +20,10 @@ with 128 + the signal's number, as a shell does for a process a signal ended.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 
@@ -46,6 +50,24 @@ def handle_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_stopped)
 
 
+@contextlib.contextmanager
+def sigint_restored() -> Iterator[None]:
+    """Put back the SIGINT handler the block started with (main thread only: only it may set handlers).
+
+    Ray Train's `fit` installs a Ctrl-C handler that closes over its controller actor and never removes it:
+    the controller (and its dataset actors) would live on until the next `fit`, and Ctrl-C during a later
+    stage would abort that finished run instead of stopping the process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def is_stop(err: BaseException | None) -> bool:
     """True when `err` is a request to stop the process rather than a failure of the work."""
     return isinstance(err, (KeyboardInterrupt, SystemExit))
@@ -60,4 +82,4 @@ def stop_signal(err: BaseException) -> signal.Signals:
     return signal.SIGINT  # KeyboardInterrupt, or Ray Train's Ctrl-C handler (sys.exit(0) once it aborted the run)
 
 
-__all__ = ["Stopped", "handle_sigterm", "is_stop", "stop_signal"]
+__all__ = ["Stopped", "handle_sigterm", "is_stop", "sigint_restored", "stop_signal"]
