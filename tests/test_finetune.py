@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import signal
+import time
 from dataclasses import dataclass
 
 import mlflow
@@ -106,6 +109,19 @@ def test_the_best_model_is_registered_with_lineage_to_its_pretrain_run_and_data(
     assert tags["vitpipe.finetune_run_id"] == sweep.result.run_id
     assert tags["vitpipe.manifest_hash"] == read_manifest(digits_data)["content_hash"]
     assert versions[0].run_id == sweep.result.run_id
+
+
+def test_ctrl_c_after_a_sweep_stops_the_process_at_once(sweep):
+    # Not Ray Tune's handler, which would swallow it to stop the sweep that has already ended.
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+
+def test_after_a_sweep_sigusr1_is_no_longer_handled_by_tune(sweep):
+    # Tune stops a sweep on SIGUSR1 too, and its handler would swallow every later one. The process started
+    # with no Python handler for it (the default or an inherited SIG_IGN).
+    assert not callable(signal.getsignal(signal.SIGUSR1))
 
 
 def test_the_registered_version_and_the_logged_best_checkpoint_start_the_same_model(sweep):

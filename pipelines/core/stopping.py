@@ -11,7 +11,9 @@ exception unwinding the stage:
 - Ctrl-C raises KeyboardInterrupt, except during Ray Train's `fit`, whose own
   handler aborts the training run and then calls `sys.exit(0)`. Ray leaves that
   handler installed after `fit` (holding the run's controller actor alive, and
-  swallowing the next two Ctrl-Cs), so `sigint_restored` puts the old one back.
+  swallowing the next two Ctrl-Cs); Tune's `fit` stops a sweep on Ctrl-C or
+  SIGUSR1 and leaves its handler too, so `signal_handlers_restored` puts the old
+  ones back around both.
 
 A run that such an exception leaves ends KILLED (`pipelines.core.stage_run`),
 and the same command resumes it. The CLI reports the stop in one line and exits
@@ -50,22 +52,28 @@ def handle_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_stopped)
 
 
-@contextlib.contextmanager
-def sigint_restored() -> Iterator[None]:
-    """Put back the SIGINT handler the block started with (main thread only: only it may set handlers).
+# Ray Train's `fit` and Ray Tune's `Tuner.fit` install these and leave them installed when they return.
+_RAY_SET = tuple(getattr(signal, name) for name in ("SIGINT", "SIGUSR1") if hasattr(signal, name))
 
-    Ray Train's `fit` installs a Ctrl-C handler that closes over its controller actor and never removes it:
-    the controller (and its dataset actors) would live on until the next `fit`, and Ctrl-C during a later
-    stage would abort that finished run instead of stopping the process.
+
+@contextlib.contextmanager
+def signal_handlers_restored() -> Iterator[None]:
+    """Put back the SIGINT and SIGUSR1 handlers the block started with (main thread only: only it may set them).
+
+    Ray Train's `fit` leaves a Ctrl-C handler that closes over its controller actor: the controller (and its
+    dataset actors) would live on until the next `fit`, and Ctrl-C during a later stage would abort that
+    finished run instead of stopping the process. Ray Tune's leaves one that would swallow the next Ctrl-C
+    (and every SIGUSR1) to stop a sweep that has already ended.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {signum: signal.getsignal(signum) for signum in _RAY_SET}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def is_stop(err: BaseException | None) -> bool:
@@ -82,4 +90,4 @@ def stop_signal(err: BaseException) -> signal.Signals:
     return signal.SIGINT  # KeyboardInterrupt, or Ray Train's Ctrl-C handler (sys.exit(0) once it aborted the run)
 
 
-__all__ = ["Stopped", "handle_sigterm", "is_stop", "sigint_restored", "stop_signal"]
+__all__ = ["Stopped", "handle_sigterm", "is_stop", "signal_handlers_restored", "stop_signal"]

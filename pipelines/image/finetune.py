@@ -36,6 +36,7 @@ from pipelines.core.shards import IMAGES, num_classes, read_manifest, require_la
 from pipelines.core.uris import is_s3_uri, resolve_tracking_uri, strip_userinfo
 from pipelines.core.stage_config import load_stage_config
 from pipelines.core.stage_run import StageRun, finished_run_id, stage_run
+from pipelines.core.stopping import signal_handlers_restored
 from pipelines.core.storage import S3Settings
 from pipelines.image.labeled_rows import DataSpec, raw_bytes
 from pipelines.image.finetune_results import check_sweep_ended, register_best_model, report_sweep, sweep_score
@@ -312,4 +313,5 @@ def _run_sweep(config: FinetuneConfig, ctx: SweepContext, storage_path: str, fil
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False), verbose=1,
             ),
         )
-    return tuner.fit()
+    with signal_handlers_restored():  # Tune's Ctrl-C handler would swallow the next stage's first Ctrl-C
+        return tuner.fit()

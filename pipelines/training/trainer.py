@@ -17,7 +17,7 @@ from typing import Any
 
 import vit
 from pipelines.core import registry, storage, tracking
-from pipelines.core.stopping import sigint_restored
+from pipelines.core.stopping import signal_handlers_restored
 from pipelines.core.errors import VitpipeError, error_line, find_vitpipe_error
 from pipelines.core.uris import Unprinted
 from pipelines.training.hooks import BEST_DIR, BEST_INFO_FILE, DIVERGED_FILE, LoopHooks
@@ -144,7 +144,7 @@ def fit_trainer(trainer: Any, config: Any, client: Any, run_id: str, run_name: s
     """
     clear_diverged(*location, run_name)
     try:
-        with sigint_restored():
+        with signal_handlers_restored():
             result = trainer.fit()
     except Exception as err:  # Ray wraps worker errors; give the user one line
         known = find_vitpipe_error(err)
