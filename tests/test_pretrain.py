@@ -12,8 +12,6 @@ import json
 import shutil
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,13 +27,11 @@ from pipelines.core.errors import VitpipeError
 from pipelines.image.pretrain import run_pretrain
 from pipelines.image.configs import PretrainConfig
 from pipelines.training.trainer import TrainingDivergedError
-from tests.process_output import result_json
 from tests.run_files import run_dir
 
 pytestmark = pytest.mark.slow
 
 TINY = dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64)
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +264,7 @@ def test_the_same_config_trains_the_same_weights_twice(corpus, ray_cluster, tmp_
 
 
 # ---------------------------------------------------------------- faults
+# A driver SIGKILLed mid-run and run again: tests/test_runner.py (the same resume, through `vitpipe run`).
 
 
 def _wait_for_checkpoint(run_dir: Path, name: str, alive, timeout: float = 600) -> None:
@@ -306,47 +303,6 @@ def test_killed_worker_is_restarted_and_training_resumes_from_checkpoint(corpus,
     assert result.metrics["resumed_from_step"] == resumed_from
     experiment = client.get_experiment_by_name(config.experiment)
     assert len(client.search_runs([experiment.experiment_id])) == 1
-
-
-def _stage_process(config_file: Path, ray_address: str, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipelines.cli", "pretrain", str(config_file), "--address", ray_address]
-    with open(log, "ab") as out:
-        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def test_rerun_after_the_driver_is_killed_resumes_from_its_last_checkpoint(corpus, ray_cluster, tmp_path):
-    import yaml
-
-    config = base_config(corpus, tmp_path, run_name="driver-kill", **FAULT)
-    config_file = tmp_path / "pretrain.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    log = tmp_path / "stage.log"
-
-    first = _stage_process(config_file, ray_cluster.address, log)
-    try:
-        _wait_for_checkpoint(run_dir(config), "checkpoint_00000004", lambda: first.poll() is None)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the driver and anything it forked, mid-run
-        first.wait()
-
-    second = _stage_process(config_file, ray_cluster.address, log)
-    try:
-        assert second.wait(timeout=600) == 0, log.read_text()[-3000:]
-    finally:
-        if second.poll() is None:
-            os.killpg(second.pid, signal.SIGKILL)
-            second.wait()
-    result = result_json(log.read_text())
-
-    client = MlflowClient(config.tracking_uri)
-    tags = client.get_run(result["run_id"]).data.tags
-    assert int(tags["vitpipe.resumed_from_step"]) >= 4  # started from a checkpoint, not from step 0
-    assert result["resumed"]
-    assert max(history(client, result["run_id"], "train_loss")) == config.steps
-    experiment = client.get_experiment_by_name(config.experiment)
-    runs = client.search_runs([experiment.experiment_id])
-    assert [r.info.run_id for r in runs] == [result["run_id"]]  # the rerun reopened the killed run
-    assert runs[0].info.status == "FINISHED"
 
 
 def test_non_finite_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(corpus, tmp_path):

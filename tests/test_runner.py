@@ -263,8 +263,15 @@ def test_a_pipeline_killed_during_pretrain_reuses_its_ingest_and_resumes_pretrai
     assert rows["corpus"][2] == "reused"
     assert rows["pretrain"][2] == "done"
     client = MlflowClient(load_spec(spec_file).resolved_tracking_uri())
-    tags = client.get_run(rows["pretrain"][-1]).data.tags
-    assert int(tags["vitpipe.resumed_from_step"]) >= 4  # from its checkpoint, not from step 0
+    pretrain_run = client.get_run(rows["pretrain"][-1])
+    assert int(pretrain_run.data.tags["vitpipe.resumed_from_step"]) >= 4  # from its checkpoint, not from step 0
+    assert pretrain_run.info.status == "FINISHED"
+    assert max(m.step for m in client.get_metric_history(pretrain_run.info.run_id, "train_loss")) == 12
+    # The rerun reopened the killed runs rather than starting new ones beside them.
+    experiment = client.get_experiment_by_name("runner-tests").experiment_id
+    pretrain_runs = client.search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'pretrain'")
+    assert [r.info.run_id for r in pretrain_runs] == [pretrain_run.info.run_id]
+    assert len(_pipeline_runs(client)) == 1
 
 
 def test_a_second_run_of_a_pipeline_that_is_still_running_is_refused_in_one_line(ray_cluster, corpus, tmp_path):
