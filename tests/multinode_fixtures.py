@@ -50,6 +50,13 @@ class NodesCluster:
         """Run one stage to its end in a driver process; returns its printed result and worker placement."""
         return finish(self.start_driver(stage, config), timeout)
 
+    def job_train_nodes(self, submission_id: str) -> list[str]:
+        """The nodes (`worker_I`) of every Ray Train worker that the submitted job `submission_id` started."""
+        done = subprocess.run([sys.executable, "-m", "tests.multinode_driver", "job-nodes", submission_id], cwd=REPO,
+                              env=self.driver_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return result_json(done.stdout)["train_nodes"]
+
     def kill_node(self, node: str) -> None:
         """SIGKILL every process of worker node `node` (`worker_I`) at once."""
         self._script("kill-node", node.removeprefix("worker_"))

@@ -1,9 +1,10 @@
-"""Proof across nodes, on one machine: training, node loss, a sweep and a submitted pipeline on a real
-multi-node Ray cluster (head + 2 worker nodes, token auth on), with storage on the S3 test server and
-tracking on a real `mlflow server`.
+"""Proof across nodes, on one machine: training, node loss and a submitted pipeline (its sweep's trials a
+node each) on a real multi-node Ray cluster (head + 2 worker nodes, token auth on), with storage on the S3
+test server and tracking on a real `mlflow server`.
 
 One cluster serves the module (`tests/multinode_fixtures.py`). Stages run in driver processes on
-the head, which also report where Ray Train put their workers; the pipeline goes in as a job.
+the head, which also report where Ray Train put their workers; the pipeline goes in as a job, whose
+workers' nodes the Ray state API gives afterwards.
 
 Node loss uses a fixed worker count with `FailureConfig(max_failures)`, not Train V2's elastic
 `num_workers` range: a checkpoint resumes each rank's data position and random streams, and the
@@ -120,28 +121,8 @@ def test_a_run_that_loses_a_node_resumes_from_its_s3_checkpoint_on_the_node_left
     assert max(m.step for m in client.get_metric_history(run["result"]["run_id"], "train_loss")) == steps
 
 
-def test_a_finetune_sweep_runs_its_trials_on_different_nodes_nested_under_its_run(nodes_cluster, fractals,  # noqa: F811
-                                                                                 across_nodes, s3_server,
-                                                                                 mlflow_server):
-    config = dict(
-        data=fractals, endpoint_url=s3_server.endpoint_url, init=across_nodes["result"]["run_id"],
-        search_space={"lr": {"grid": [0.003, 0.001]}, "steps": 8}, scheduler="fifo", eval_interval=4,
-        batch_size=32, optimizer="adamw", num_workers=1, resources_per_worker=ONE_SLOT, max_concurrent_trials=2,
-        storage=f"s3://{BUCKET}/runs/sweep", tracking_uri=mlflow_server, experiment="multinode-sweep",
-    )
-    sweep = nodes_cluster.drive("finetune", config)
-    assert sorted(sweep["train_nodes"]) == ["worker_1", "worker_2"]  # one worker per trial, a node each
-    assert sorted(sweep["result"]["trial_status"].values()) == ["completed", "completed"]
-    client = MlflowClient(mlflow_server)
-    experiment = client.get_experiment_by_name("multinode-sweep").experiment_id
-    parent = sweep["result"]["run_id"]
-    trials = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'")
-    assert sorted(float(r.data.params["lr"]) for r in trials) == [0.001, 0.003]
-    assert all(r.info.status == "FINISHED" for r in trials)
-
-
-def test_a_submitted_pipeline_runs_ingest_pretrain_and_finetune_to_succeeded(nodes_cluster, corpus, s3_server,  # noqa: F811
-                                                                            mlflow_server, tmp_path):
+def test_a_submitted_pipeline_runs_ingest_pretrain_and_a_sweep_across_nodes_to_succeeded(  # noqa: F811
+        nodes_cluster, corpus, s3_server, mlflow_server, tmp_path):
     spec = {
         "name": "multinode-job",
         "storage": {"root": f"s3://{BUCKET}/job", "endpoint_url": s3_server.endpoint_url},
@@ -154,9 +135,11 @@ def test_a_submitted_pipeline_runs_ingest_pretrain_and_finetune_to_succeeded(nod
                          "num_workers": 2, "resources_per_worker": ONE_SLOT, "batch_size_per_worker": 16,
                          "steps": 8, "warmup_steps": 2, "eval_interval": 0, "checkpoint_interval": 0,
                          "augment": False},
+            # Two trials at once, one worker each on a worker node to itself: a node each.
             "finetune": {"kind": "finetune", "inputs": ["corpus", "pretrain"], "optimizer": "adamw",
-                         "search_space": {"lr": {"grid": [0.003]}, "steps": 8}, "eval_interval": 4,
-                         "batch_size": 32, "num_workers": 1, "resources_per_worker": ONE_SLOT},
+                         "search_space": {"lr": {"grid": [0.003, 0.001]}, "steps": 8}, "scheduler": "fifo",
+                         "eval_interval": 4, "batch_size": 32, "num_workers": 1, "resources_per_worker": ONE_SLOT,
+                         "max_concurrent_trials": 2},
         },
     }
     path = tmp_path / "spec.yaml"
@@ -175,8 +158,14 @@ def test_a_submitted_pipeline_runs_ingest_pretrain_and_finetune_to_succeeded(nod
         assert re.search(rf"^{stage}\s+\w+\s+done\s", done.stdout, re.M), done.stdout[-3000:]
     client = MlflowClient(mlflow_server)
     experiment = client.get_experiment_by_name("multinode-job").experiment_id
-    stages = {r.data.tags.get("vitpipe.stage") for r in client.search_runs([experiment]) if r.info.status == "FINISHED"}
-    assert {"ingest", "pretrain", "finetune"} <= stages
+    stages = {r.data.tags.get("vitpipe.stage"): r for r in client.search_runs([experiment])
+              if r.info.status == "FINISHED"}
+    assert {"ingest", "pretrain", "finetune"} <= set(stages)
+    # Pretraining's two workers are on both worker nodes (a slot each); so are the two trials', one each.
+    assert sorted(nodes_cluster.job_train_nodes(job_id)) == ["worker_1", "worker_1", "worker_2", "worker_2"]
+    trials = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{stages['finetune'].info.run_id}'")
+    assert sorted(float(r.data.params["lr"]) for r in trials) == [0.001, 0.003]
+    assert all(r.info.status == "FINISHED" for r in trials)
 
 
 def test_stopping_a_local_cluster_ends_it_on_sigterm_and_leaves_another_running(nodes_cluster):  # noqa: F811
