@@ -8,12 +8,15 @@ exactly as a supervised pretrain's does.
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import mlflow
 import pytest
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
+
+import vit
 
 from pipelines.core import shards
 from pipelines.core.storage import open_store
@@ -101,12 +104,29 @@ def test_the_fine_tune_and_the_few_shot_evaluation_report_their_figures_from_the
         f"mae={run_of(result, 'mae')}")
 
 
+def mae_encoder(run_id: str, tracking_uri: str, tmp: Path) -> dict[str, torch.Tensor]:
+    """The encoder weights of MAE run `run_id`'s final checkpoint."""
+    mlflow.set_tracking_uri(tracking_uri)
+    checkpoint = mlflow.artifacts.download_artifacts(f"runs:/{run_id}/checkpoints/final", dst_path=str(tmp))
+    return load_mae(checkpoint).encoder.state_dict()
+
+
+def test_the_fine_tune_starts_from_the_mae_runs_encoder(pipeline, mlflow_server, tmp_path):
+    result, client = pipeline
+    assert client.get_run(run_of(result, "finetune")).data.tags["vitpipe.pretrain_run_id"] == run_of(result, "mae")
+    # The weights every trial's workers load: staged once by the stage beside the trials.
+    work = Path(result.outputs["finetune"].experiment_path + "-work")
+    staged = vit.load_checkpoint(work / "init").state_dict()
+    encoder = mae_encoder(run_of(result, "mae"), mlflow_server, tmp_path)
+    assert staged.keys() == encoder.keys()
+    for name in encoder:
+        torch.testing.assert_close(staged[name], encoder[name], rtol=0, atol=0, msg=name)
+
+
 def test_a_vtn_takes_the_mae_encoder_as_its_backbone(pipeline, mlflow_server, tmp_path):
     result, _ = pipeline
     mae_run = run_of(result, "mae")
-    mlflow.set_tracking_uri(mlflow_server)
-    encoder = load_mae(mlflow.artifacts.download_artifacts(f"runs:/{mae_run}/checkpoints/final",
-                                                            dst_path=str(tmp_path))).encoder.state_dict()
+    encoder = mae_encoder(mae_run, mlflow_server, tmp_path)
     fields = FrozenBackbone(init=mae_run, backbone=None, backbone_overrides={}, frame_size=None, seed=0,
                             endpoint_url=None)
     backbone = build_initial_model(fields, num_classes=3, tracking_uri=mlflow_server).model.backbone.state_dict()

@@ -164,37 +164,7 @@ def test_a_reconstruction_picture_is_logged_at_the_end_of_an_mae_run(mae_run):
     assert name in {a.path.rsplit("/", 1)[-1] for a in mae_run.client.list_artifacts(mae_run.result.run_id, folder)}
 
 
-@pytest.fixture(scope="module")
-def mae_finetune(mae_run, tiny_dataset, tmp_path_factory) -> tuple[Any, Any]:
-    """One fine-tune sweep (a single trial) starting from the MAE run."""
-    from pipelines.image.finetune import run_finetune
-    from pipelines.image.configs import FinetuneConfig
-
-    config = FinetuneConfig(
-        data=tiny_dataset, init=mae_run.result.run_id, search_space={"lr": 0.01, "steps": 4}, scheduler="fifo",
-        eval_interval=2, batch_size=16, storage=str(tmp_path_factory.mktemp("mae-finetune") / "runs"),
-        tracking_uri=mae_run.config.tracking_uri, experiment="mae-finetune",
-    )
-    return config, run_finetune(config)
-
-
-def test_an_mae_run_fine_tunes_like_a_supervised_pretrain(mae_finetune):
-    _, result = mae_finetune
-    assert result.trial_status and set(result.trial_status.values()) == {"completed"}
-    assert result.test_accuracy is not None
-
-
-def test_a_fine_tune_of_an_mae_run_starts_from_its_encoder(mae_run, mae_finetune, tmp_path):
-    config, result = mae_finetune
-    run = mae_run.client.get_run(result.run_id)
-    assert run.data.tags["vitpipe.pretrain_run_id"] == mae_run.result.run_id
-    # The weights every trial's workers load: staged once by the stage beside the trials.
-    staged = vit.load_checkpoint(run_dir(config, f"{run.info.run_name}-work") / "init").state_dict()
-    encoder = final_mae(mae_run.result.run_id, mae_run.config.tracking_uri, tmp_path).encoder.state_dict()
-    assert staged.keys() == encoder.keys()
-    for name in encoder:
-        torch.testing.assert_close(staged[name], encoder[name], rtol=0, atol=0, msg=name)
-
+# A fine-tune from an MAE run, and the encoder it starts from: tests/test_mae_pipeline.py.
 
 # ---------------------------------------------------------------- resuming
 
